@@ -1,0 +1,34 @@
+# Everything a fresh machine needs: `make demo` and `make test` create .venv,
+# install torch==2.13.0 (the CPU build) when torch is absent, and install acco.
+
+PYTHON ?= python3
+VENV   ?= .venv
+PY     := $(VENV)/bin/python
+PIP    := $(PY) -m pip
+TORCH_PIN ?= torch==2.13.0
+
+.PHONY: venv test demo study clean
+
+$(VENV)/.ready: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_PIN)"
+	$(PIP) install -q -e ".[test,examples]"
+	@touch $@
+
+venv: $(VENV)/.ready
+
+## Run the test suite (CPU; multi-rank tests on gloo, each with a timeout).
+test: $(VENV)/.ready
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q
+
+## A short 2-rank CPU run of ACCO on a small GPT, printing the loss as it goes.
+demo: $(VENV)/.ready
+	OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --nproc_per_node=2 examples/gpt/train.py \
+		--optimizer acco --steps 60 --eval-every 20 --log-every 10 --no-progress
+
+## The convergence study of docs/convergence.md (about 70 minutes on 2 cores).
+study: $(VENV)/.ready
+	$(PY) examples/gpt/study.py --out runs/study --steps 600 --eval-every 50
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

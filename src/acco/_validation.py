@@ -1,0 +1,118 @@
+"""Checks of user input, done once at construction. Each error says what was
+received and what to do."""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Dict, Iterable, List, Optional
+
+import torch
+import torch.distributed as dist
+
+MODES = ("acco", "dpu", "sync")
+
+
+def check_optimizer_class(optimizer_class: Any) -> None:
+    if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
+        raise TypeError(
+            "optimizer_class must be a torch.optim.Optimizer subclass such as torch.optim.AdamW "
+            f"(the class, not an instance), got {optimizer_class!r}"
+        )
+
+
+def check_mode(mode: Any) -> None:
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+
+
+def check_microbatches(min_microbatches: Any, max_microbatches: Any) -> None:
+    if not isinstance(min_microbatches, int) or isinstance(min_microbatches, bool) or min_microbatches < 1:
+        raise ValueError(f"min_microbatches must be an int >= 1, got {min_microbatches!r}")
+    if max_microbatches is None:
+        return
+    if not isinstance(max_microbatches, int) or isinstance(max_microbatches, bool):
+        raise ValueError(f"max_microbatches must be None or an int, got {max_microbatches!r}")
+    if max_microbatches < min_microbatches:
+        raise ValueError(
+            f"min_microbatches={min_microbatches} > max_microbatches={max_microbatches}: "
+            "raise max_microbatches (or pass None for no bound) or lower min_microbatches"
+        )
+
+
+def normalize_param_groups(params: Any) -> List[Dict[str, Any]]:
+    """Turn ``params`` into a list of group dicts holding only trainable tensors.
+
+    Parameters with ``requires_grad=False`` are dropped (frozen: never updated,
+    never communicated).
+    """
+    if isinstance(params, torch.Tensor):
+        raise TypeError(
+            "params must be an iterable of Tensors or of param-group dicts (e.g. model.parameters()), "
+            f"got a single {torch.typename(params)}"
+        )
+    try:
+        items = list(params)
+    except TypeError:
+        raise TypeError(
+            f"params must be an iterable of Tensors or of param-group dicts, got {torch.typename(params)}"
+        ) from None
+    if not items:
+        raise ValueError("AccoOptimizer got an empty parameter list: pass model.parameters() of a model with parameters")
+    groups = items if isinstance(items[0], dict) else [{"params": items}]
+    out = []
+    for gi, group in enumerate(groups):
+        if not isinstance(group, dict):
+            raise TypeError(f"param group {gi} is a {type(group).__name__}; mix of dicts and tensors is not allowed")
+        ps = group.get("params")
+        ps = [ps] if isinstance(ps, torch.Tensor) else list(ps or [])
+        for pi, p in enumerate(ps):
+            if not isinstance(p, torch.Tensor):
+                raise TypeError(f"param group {gi} holds a {torch.typename(p)}; expected torch.Tensor parameters")
+            if not (p.is_floating_point() or p.is_complex()):
+                raise TypeError(
+                    f"parameter {pi} of group {gi} has dtype {p.dtype}; only floating-point parameters can be "
+                    "trained: pass only the model's trainable parameters"
+                )
+        out.append({**group, "params": [p for p in ps if p.requires_grad]})
+    if not any(g["params"] for g in out):
+        raise ValueError(
+            "AccoOptimizer found no parameter with requires_grad=True; parameters that do not require grad "
+            "are ignored, so at least one trainable parameter is needed"
+        )
+    return out
+
+
+def check_params(params: Iterable[torch.Tensor]) -> None:
+    params = list(params)
+    devices = {p.device for p in params}
+    if len(devices) > 1:
+        raise ValueError(
+            f"all parameters must be on one device, got {sorted(str(d) for d in devices)}: "
+            "move the model with model.to(device) before building AccoOptimizer"
+        )
+    dtypes = {p.dtype for p in params}
+    for i, p in enumerate(params):
+        if p.is_sparse or p.layout != torch.strided:
+            raise TypeError(f"parameter {i} has layout {p.layout}; AccoOptimizer supports dense (strided) parameters only")
+        if not p.is_floating_point():
+            raise TypeError(f"parameter {i} has dtype {p.dtype}; only floating-point parameters can be trained (complex is not supported)")
+    if len(dtypes) > 1:
+        raise TypeError(
+            f"all trainable parameters must share one dtype, got {sorted(str(d) for d in dtypes)}: "
+            "cast the model (model.to(dtype)) or pass compute_dtype=..."
+        )
+
+
+def resolve_process_group(process_group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
+    """The group to use; ``None`` means one process without collectives."""
+    if process_group is not None:
+        return process_group
+    if dist.is_available() and dist.is_initialized():
+        return dist.group.WORLD
+    world = os.environ.get("WORLD_SIZE")
+    if world is not None and world.isdigit() and int(world) > 1:
+        raise RuntimeError(
+            f"WORLD_SIZE={world} but torch.distributed is not initialised: call "
+            "torch.distributed.init_process_group(...) before building AccoOptimizer"
+        )
+    return None

@@ -1,0 +1,429 @@
+"""AccoOptimizer: the ``torch.optim.Optimizer`` front of the library.
+
+This file only orchestrates: when to hand gradients to a round, which kind of
+round, when a finished round's weights go into the model. The layout lives in
+``layout.py``, the round's math in ``rounds.py``, where it runs in
+``scheduler.py``. The equations are those of ``algorithm.md`` (see the README).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import weakref
+from functools import partial
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from . import _validation as V
+from .collectives import group_rank, group_size
+from .layout import FlatLayout
+from .rounds import OptimizerSnapshot, RoundKind, RoundResult, ShardBuffers, round_kind, run_round
+from .scheduler import StreamScheduler
+
+__all__ = ["AccoOptimizer"]
+
+log = logging.getLogger("acco")
+
+
+def _views(flat: torch.Tensor, layout: FlatLayout) -> List[torch.Tensor]:
+    """Per-parameter views into a flat buffer."""
+    out = []
+    for i, shape in enumerate(layout.shapes):
+        a, b = layout.param_range(i)
+        out.append(flat[a:b].view(shape))
+    return out
+
+
+class AccoOptimizer(torch.optim.Optimizer):
+    """ZeRO-1 sharded optimizer whose communication overlaps computation (ACCO).
+
+    Drop-in for ``torch.optim.AdamW`` in a loop of ``backward(); step();
+    zero_grad()``: each ``step()`` hands the gradients accumulated so far to a
+    communication round (reduce-scatter -> sharded step of ``optimizer_class``
+    -> all-gather) that runs in the background while the next micro-batch is
+    computed. In mode ``"acco"`` one mini-batch is two ``step()`` calls (two
+    halves): the first gives an estimate ``theta~``, the second the committed
+    update; ``"dpu"`` (delayed, uncompensated) and ``"sync"`` (plain ZeRO-1)
+    are the baselines.
+
+    Construction, ``step()`` and ``finish()`` are collective: call them on all
+    ranks of ``process_group``. Construction broadcasts the parameters from the
+    group's first rank (as DDP does) and checks that every rank has the same
+    model, raising on all ranks if not.
+
+    Args:
+        params: ``model.parameters()`` or a list of param-group dicts.
+            Parameters with ``requires_grad=False`` are ignored.
+        optimizer_class: any element-wise ``torch.optim.Optimizer`` subclass
+            (AdamW, Adam, SGD, ...); it runs on this rank's slice only.
+        mode: ``"acco"`` | ``"dpu"`` | ``"sync"``.
+        process_group: default: the WORLD group when initialised, otherwise one
+            process (still asynchronous).
+        min_microbatches: micro-batches to accumulate before a hand-off.
+        max_microbatches: accumulate at most this many while a round is in
+            flight, then ``step()`` waits for it; ``None``: no bound.
+        compute_dtype: dtype of the model's parameters (the compute copy), e.g.
+            ``torch.bfloat16``; the sharded master stays fp32. ``None``: keep.
+        **optimizer_kwargs: passed to ``optimizer_class`` (``lr=...``).
+    """
+
+    def __init__(
+        self,
+        params: Any,
+        optimizer_class: type = torch.optim.AdamW,
+        *,
+        mode: str = "acco",
+        process_group: Optional[dist.ProcessGroup] = None,
+        min_microbatches: int = 1,
+        max_microbatches: Optional[int] = None,
+        compute_dtype: Optional[torch.dtype] = None,
+        **optimizer_kwargs: Any,
+    ) -> None:
+        V.check_optimizer_class(optimizer_class)
+        V.check_mode(mode)
+        V.check_microbatches(min_microbatches, max_microbatches)
+        groups = V.normalize_param_groups(params)
+        super().__init__(groups, dict(optimizer_kwargs))
+        self._params: List[torch.Tensor] = [p for g in self.param_groups for p in g["params"]]
+        V.check_params(self._params)
+        if compute_dtype is not None and not compute_dtype.is_floating_point:
+            raise TypeError(f"compute_dtype must be a floating dtype such as torch.bfloat16, got {compute_dtype}")
+
+        self.mode = mode
+        self.min_microbatches = min_microbatches
+        self.max_microbatches = max_microbatches
+        self.optimizer_class = optimizer_class
+        self._group = V.resolve_process_group(process_group)
+        self.world_size = group_size(self._group)
+        self.rank = group_rank(self._group)
+        device = self._params[0].device
+        param_dtype = self._params[0].dtype
+        self.compute_dtype = compute_dtype or param_dtype
+        master_dtype = torch.float64 if param_dtype == torch.float64 else torch.float32
+
+        self.layout = FlatLayout.build([p.shape for p in self._params], self.world_size)
+        if self._group is not None:
+            self._check_same_model_across_ranks(device)
+            self._broadcast_parameters()
+            # Rounds talk on a group of their own, so the user's collectives on the
+            # main thread can never interleave with a round's on the worker.
+            self._round_group = dist.new_group(
+                ranks=dist.get_process_group_ranks(self._group),
+                backend=dist.get_backend(self._group),
+                use_local_synchronization=self._group is not dist.group.WORLD,
+            )
+        else:
+            self._round_group = None
+
+        # fp32 master slice, from the parameters before any cast to compute_dtype.
+        lo, hi = self.layout.shard_range(self.rank)
+        master = torch.zeros(self.layout.shard_size, dtype=master_dtype, device=device)
+        flat_params = torch.zeros(self.layout.padded_numel, dtype=master_dtype, device=device)
+        with torch.no_grad():
+            for v, p in zip(_views(flat_params, self.layout), self._params):
+                v.copy_(p)
+            master.copy_(flat_params[lo:hi])
+            del flat_params
+            if self.compute_dtype != param_dtype:
+                for p in self._params:
+                    p.data = p.data.to(self.compute_dtype)  # once, at construction: addresses fixed from here on
+
+        cd = self.compute_dtype
+        n = self.layout.padded_numel
+        self._grads = torch.zeros(n, dtype=cd, device=device)  # where backward writes (.grad views)
+        self._accum = torch.zeros(n, dtype=cd, device=device)  # gradient sum since the last commit
+        self._comm = torch.zeros(n, dtype=cd, device=device)  # round in/out: gradients out, weights in
+        self._grad_views = _views(self._grads, self.layout)
+        self._accum_views = _views(self._accum, self.layout)
+        self._comm_views = _views(self._comm, self.layout)
+        for p, v in zip(self._params, self._grad_views):
+            if p.grad is not None:
+                v.copy_(p.grad)
+            p.grad = v
+        self._buffers = ShardBuffers(
+            comm=self._comm,
+            master=master,
+            grad=torch.zeros_like(master),
+            count=torch.zeros(1, dtype=master_dtype, device=device),
+            staging=None if cd == master_dtype else torch.zeros(self.layout.shard_size, dtype=cd, device=device),
+        )
+
+        # The wrapped optimizer: one piece (view of the master slice) per parameter.
+        self._pieces: List[torch.Tensor] = []
+        local_groups = []
+        pieces = self.layout.pieces(self.rank)
+        k = 0
+        for g in self.param_groups:
+            group_pieces = []
+            for _ in g["params"]:
+                pc = pieces[k]
+                t = master[pc.local_start : pc.local_end]
+                t.grad = self._buffers.grad[pc.local_start : pc.local_end]
+                group_pieces.append(t)
+                k += 1
+            self._pieces.extend(group_pieces)
+            local_groups.append({**{key: v for key, v in g.items() if key != "params"}, "params": group_pieces})
+        try:
+            self.local_optimizer = optimizer_class(local_groups, **optimizer_kwargs)
+        except TypeError as exc:
+            raise TypeError(f"{optimizer_class.__name__} rejected optimizer_kwargs {sorted(optimizer_kwargs)}: {exc}") from exc
+        # Fill every group with the wrapped optimizer's defaults: param_groups is the live truth rounds read.
+        for key, value in self.local_optimizer.defaults.items():
+            self.defaults.setdefault(key, value)
+        for g, lg in zip(self.param_groups, self.local_optimizer.param_groups):
+            for key, value in lg.items():
+                if key != "params":
+                    g.setdefault(key, value)
+
+        self._snapshot = OptimizerSnapshot() if mode == "acco" else None
+        self.scheduler = StreamScheduler(device)
+        self._since_handoff = 0  # micro-batches folded since the last hand-off
+        self._in_accum = 0  # micro-batches in the accumulation buffer
+        self._grads_dirty = False
+        self._finished = False
+        self._failed: Optional[BaseException] = None
+        self.num_rounds = 0  # rounds handed off
+        self.num_updates = 0  # committed updates now in the model
+        self._history: List[tuple] = []  # (kind, local micro-batches, total over ranks as a device tensor)
+        self._committed_mb = torch.zeros((), dtype=torch.float64, device=device)
+        # A weak reference: parameters must not keep the optimizer (and its process
+        # group) alive in a cycle that only the garbage collector, maybe at exit, breaks.
+        self_ref = weakref.ref(self)
+
+        def mark_grads_dirty(_param: torch.Tensor) -> None:
+            opt = self_ref()
+            if opt is not None:
+                opt._grads_dirty = True
+
+        self._hook_handles = [p.register_post_accumulate_grad_hook(mark_grads_dirty) for p in self._params]
+
+    # ------------------------------------------------------------------ checks
+
+    def _signature(self) -> str:
+        parts = [self.mode, self.optimizer_class.__name__, str(self.min_microbatches), str(self.max_microbatches)]
+        parts += [str(len(g["params"])) for g in self.param_groups]
+        parts += [f"{tuple(p.shape)}:{p.dtype}" for p in self._params]
+        return "|".join(parts)
+
+    def _check_same_model_across_ranks(self, device: torch.device) -> None:
+        """All-gather a fingerprint of the model and options; raise on every rank if any differ. Collective."""
+        digest = hashlib.sha256(self._signature().encode()).digest()
+        mine = torch.tensor(
+            [len(self._params), self.layout.numel, int.from_bytes(digest[:7], "little")], dtype=torch.int64, device=device
+        )
+        everyone = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(everyone, mine, group=self._group)
+        rows = [t.tolist() for t in everyone]
+        if any(r != rows[0] for r in rows):
+            detail = "; ".join(f"rank {i}: {r[0]} tensors, {r[1]} elements" for i, r in enumerate(rows))
+            raise RuntimeError(
+                "AccoOptimizer: the ranks disagree on the model or the options (parameter shapes/dtypes, "
+                f"param groups, mode, optimizer class, min/max_microbatches): {detail}. Build the same model "
+                "and AccoOptimizer arguments on every rank."
+            )
+
+    def _broadcast_parameters(self) -> None:
+        """Give every rank the first rank's parameters, as DDP does. Collective."""
+        src = dist.get_global_rank(self._group, 0)
+        with torch.no_grad():
+            for p in self._params:
+                dist.broadcast(p.data, src=src, group=self._group)
+
+    def _check_open(self) -> None:
+        if self._failed is not None:
+            raise RuntimeError("AccoOptimizer: a previous round failed; this optimizer cannot continue") from self._failed
+        if self._finished:
+            raise RuntimeError(
+                "AccoOptimizer.step() after finish(): finish() ends training with this optimizer; "
+                "build a new AccoOptimizer to train further"
+            )
+
+    # ------------------------------------------------------------------ gradients
+
+    @torch.no_grad()
+    def _fold_grads(self) -> None:
+        """accum += this micro-batch's gradients, whatever became of ``.grad``."""
+        for p, v in zip(self._params, self._grad_views):
+            g = p.grad
+            if g is None:  # set_to_none by the user: no gradient for p this micro-batch
+                v.zero_()
+                p.grad = v
+            elif g.data_ptr() != v.data_ptr() or g.shape != v.shape:  # replaced by the user/autograd
+                if g.is_sparse:
+                    raise TypeError("AccoOptimizer received a sparse gradient; use dense gradients (sparse=False)")
+                v.copy_(g)
+                p.grad = v
+        self._accum.add_(self._grads)
+        self._grads.zero_()
+        self._grads_dirty = False
+        self._since_handoff += 1
+        self._in_accum += 1
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Discard gradients computed since the last ``step()``.
+
+        The accumulation the rounds use belongs to the library and is never
+        cleared here. ``.grad`` stays bound to the library's flat buffer (zeroed
+        in place) whatever ``set_to_none`` says, so no memory is reallocated.
+        """
+        if not self._grads_dirty and all(p.grad is v for p, v in zip(self._params, self._grad_views)):
+            return
+        with torch.no_grad():
+            self._grads.zero_()
+            for p, v in zip(self._params, self._grad_views):
+                p.grad = v
+        self._grads_dirty = False
+
+    # ------------------------------------------------------------------ rounds
+
+    def _hyperparams(self) -> List[Dict[str, Any]]:
+        return [
+            {k: (v.clone() if torch.is_tensor(v) else v) for k, v in g.items() if k != "params"} for g in self.param_groups
+        ]
+
+    def _collect(self) -> Optional[RoundResult]:
+        """Wait for the in-flight round and put its weights in the model if it committed."""
+        if not self.scheduler.in_flight:
+            return None
+        try:
+            result = self.scheduler.wait()
+        except BaseException as exc:
+            self._failed = exc
+            raise
+        total = result.total_microbatches.clone()  # compute side, ordered after the round: no host sync
+        if result.kind is RoundKind.COMMIT:
+            self.num_updates += 1
+            self._committed_mb += total[0]
+        self._history.append((result.kind.value, result.local_microbatches, total))
+        return result
+
+    def _handoff(self) -> None:
+        """Start the next round on the gradients accumulated so far (compute side ordered first)."""
+        previous = self._collect()
+        if previous is not None:
+            # theta/theta~ swap: round k-1's weights are the model's for the micro-batches after hand-off k.
+            self.scheduler.install(self._params, self._comm_views)
+        kind = round_kind(self.mode, self.num_rounds)
+        with torch.no_grad():
+            self._comm.copy_(self._accum)
+            if kind is RoundKind.COMMIT:
+                self._accum.zero_()  # the estimate's gradients count again in the commit, then go
+        count = self._in_accum
+        if kind is RoundKind.COMMIT:
+            self._in_accum = 0
+        self._since_handoff = 0
+        fn = partial(
+            run_round,
+            kind,
+            self._buffers,
+            self.local_optimizer,
+            self._pieces,
+            self._hyperparams(),
+            count,
+            self._round_group,
+            self._snapshot,
+        )
+        self.num_rounds += 1
+        self.scheduler.submit(fn)
+
+    def _ready_for_handoff(self) -> bool:
+        if self._since_handoff < self.min_microbatches:
+            return False
+        if self.scheduler.done():
+            return True
+        # Accumulate while you communicate: keep computing unless the bound is reached.
+        return self.max_microbatches is not None and self._since_handoff >= self.max_microbatches
+
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        """Take this micro-batch's gradients; hand them to a round when one can start.
+
+        Returns at once while a round is in flight (the gradients accumulate)
+        unless ``max_microbatches`` is reached. After ``step()`` the model holds
+        the weights for the next micro-batch. Collective: call on all ranks.
+        """
+        self._check_open()
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._fold_grads()
+        if not self._ready_for_handoff():
+            return loss
+        self._handoff()
+        if self.mode == "sync":
+            self._collect()
+            self.scheduler.install(self._params, self._comm_views)
+        return loss
+
+    def finish(self) -> None:
+        """Wait for the in-flight round; leave the last committed weights in the model.
+
+        An in-flight estimate is dropped (the model already holds ``theta_t``),
+        and so are micro-batches accumulated but not yet handed off. Idempotent.
+        Collective: call on all ranks.
+        """
+        if self._finished:
+            return
+        try:
+            result = self._collect()
+            if result is not None and result.kind is RoundKind.COMMIT:
+                self.scheduler.install(self._params, self._comm_views)
+        finally:
+            self._finished = True
+            self.scheduler.close(wait=False)
+            self._release_round_group()
+        with torch.no_grad():
+            self._accum.zero_()
+        self._in_accum = self._since_handoff = 0
+
+    def _release_round_group(self) -> None:
+        """Destroy the process group the rounds used, now rather than at interpreter exit.
+
+        gloo's worker threads release finished work (and its Python tensors)
+        when the group is destroyed; if that happens during interpreter
+        finalisation the process aborts ("terminate called without an active
+        exception", pytorch/pytorch#190489).
+        """
+        group, self._round_group = self._round_group, None
+        if group is not None and dist.is_initialized():
+            dist.destroy_process_group(group)
+
+    # ------------------------------------------------------------------ introspection
+
+    @property
+    def next_update_index(self) -> int:
+        """0-based index of the committed update that the next hand-off contributes to.
+
+        Set a learning-rate schedule from it (``g["lr"] = f(opt.next_update_index)``
+        before ``step()``): in mode acco both halves of a mini-batch then use the
+        same rate, and ranks that accumulate at different speeds agree.
+        """
+        return self.num_rounds // 2 if self.mode == "acco" else self.num_rounds
+
+    @property
+    def holds_committed_weights(self) -> bool:
+        """Whether the model's parameters are committed weights (not an estimate theta~)."""
+        return self.mode != "acco" or self.num_rounds % 2 == 1 or self.num_rounds == 0 or self._finished
+
+    @property
+    def committed_microbatches(self) -> int:
+        """Micro-batches of all ranks in the committed updates so far (reads the device)."""
+        return int(self._committed_mb.item())
+
+    def microbatch_history(self) -> List[Dict[str, Any]]:
+        """Per collected round: kind, this rank's and all ranks' micro-batch counts (reads the device)."""
+        return [
+            {"kind": kind, "local_microbatches": local, "total_microbatches": int(total.item())}
+            for kind, local, total in self._history
+        ]
+
+    # ------------------------------------------------------------------ not yet
+
+    def state_dict(self) -> Dict[str, Any]:  # pragma: no cover - replaced by the checkpoint issue
+        raise NotImplementedError("AccoOptimizer.state_dict() is not implemented yet (sharded checkpoints: issue 4)")
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:  # pragma: no cover
+        raise NotImplementedError("AccoOptimizer.load_state_dict() is not implemented yet (issue 4)")

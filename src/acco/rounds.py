@@ -1,0 +1,167 @@
+"""What one communication round computes, for every mode.
+
+A round is ``reduce-scatter(gradient sum, micro-batch count) -> divide ->
+sharded optimizer step -> all-gather(new weights)``. It reads the hand-off
+buffer ``comm`` (this rank's gradient sum) and writes the all-gathered weights
+back into the same buffer. Nothing here knows about threads or streams: the
+:class:`~acco.scheduler.StreamScheduler` decides where a round runs.
+
+Two kinds of round (``algorithm.md``):
+
+* ``COMMIT``   ``theta <- Opt(theta, g)``: master weights and optimizer state move.
+* ``ESTIMATE`` ``theta~ = Opt*(theta, g)``: the same step on scratch; the master
+  weights and the optimizer state are restored afterwards, so only the
+  all-gathered weights (the estimate) leave the round.
+"""
+
+from __future__ import annotations
+
+import copy
+import enum
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+from .collectives import all_gather_flat, all_reduce_sum, reduce_scatter_flat
+
+__all__ = ["RoundKind", "ShardBuffers", "OptimizerSnapshot", "run_round", "round_kind"]
+
+
+class RoundKind(enum.Enum):
+    COMMIT = "commit"
+    ESTIMATE = "estimate"
+
+
+def round_kind(mode: str, round_index: int) -> RoundKind:
+    """ACCO alternates estimate (even) / commit (odd); dpu and sync always commit."""
+    if mode == "acco" and round_index % 2 == 0:
+        return RoundKind.ESTIMATE
+    return RoundKind.COMMIT
+
+
+@dataclass
+class ShardBuffers:
+    """This rank's buffers for a round.
+
+    ``comm``: full padded flat buffer (compute dtype): gradients out, weights in.
+    ``master``/``grad``: this rank's fp32 slice; the wrapped optimizer's
+    parameters and their ``.grad`` are views into them.
+    ``staging``: a compute-dtype slice, used only when compute and master
+    dtypes differ (receives the reduce-scatter, sends the all-gather).
+    ``count``: one element on the device, the micro-batch count.
+    """
+
+    comm: torch.Tensor
+    master: torch.Tensor
+    grad: torch.Tensor
+    count: torch.Tensor
+    staging: Optional[torch.Tensor] = None
+
+
+class OptimizerSnapshot:
+    """Scratch copy of the master slice and the optimizer state, for ``Opt*``.
+
+    Buffers are allocated once and reused (``copy_``), so an estimate round costs
+    at most one extra master slice and one extra state slice (``12 Phi / N``
+    bytes for AdamW), and tensors keep their addresses across rounds.
+    """
+
+    def __init__(self) -> None:
+        self._master: Optional[torch.Tensor] = None
+        self._state: Dict[int, Dict[str, Any]] = {}
+        self._had_state: Dict[int, bool] = {}
+
+    def save(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], master: torch.Tensor) -> None:
+        if self._master is None:
+            self._master = torch.empty_like(master)
+        self._master.copy_(master)
+        for i, p in enumerate(params):
+            state = optimizer.state.get(p)
+            self._had_state[i] = bool(state)
+            if not state:
+                continue
+            saved = self._state.setdefault(i, {})
+            for key in list(saved):
+                if key not in state:
+                    del saved[key]
+            for key, value in state.items():
+                if torch.is_tensor(value):
+                    old = saved.get(key)
+                    if torch.is_tensor(old) and old.shape == value.shape and old.dtype == value.dtype:
+                        old.copy_(value)
+                    else:
+                        saved[key] = value.detach().clone()
+                else:
+                    saved[key] = copy.deepcopy(value)
+
+    def restore(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], master: torch.Tensor) -> None:
+        assert self._master is not None, "restore() without save()"
+        master.copy_(self._master)
+        for i, p in enumerate(params):
+            if not self._had_state[i]:
+                optimizer.state.pop(p, None)
+                continue
+            state, saved = optimizer.state[p], self._state[i]
+            for key in [k for k in state if k not in saved]:
+                del state[key]
+            for key, value in saved.items():
+                cur = state.get(key)
+                if torch.is_tensor(value) and torch.is_tensor(cur) and cur.shape == value.shape and cur.dtype == value.dtype:
+                    cur.copy_(value)
+                else:
+                    state[key] = value.clone() if torch.is_tensor(value) else copy.deepcopy(value)
+
+
+@dataclass
+class RoundResult:
+    kind: RoundKind
+    local_microbatches: int
+    total_microbatches: Optional[torch.Tensor] = None  # on the device; read lazily
+    extras: Dict[str, Any] = field(default_factory=dict)
+
+
+def run_round(
+    kind: RoundKind,
+    buffers: ShardBuffers,
+    optimizer: torch.optim.Optimizer,
+    params: List[torch.Tensor],
+    hyperparams: List[Dict[str, Any]],
+    local_microbatches: int,
+    group: Optional[dist.ProcessGroup],
+    snapshot: Optional[OptimizerSnapshot] = None,
+) -> RoundResult:
+    """Run one round on the current thread/stream. Collective: call on all ranks.
+
+    ``buffers.comm`` holds this rank's gradient *sum* over ``local_microbatches``
+    micro-batches; on return it holds the round's full weights (all ranks agree).
+    ``hyperparams`` (one dict per group, taken at hand-off) are written into the
+    wrapped optimizer's groups before its step, so schedulers act on the round
+    that was handed off after they moved.
+    """
+    b = buffers
+    b.count.fill_(float(local_microbatches))
+    all_reduce_sum(b.count, group)  # total micro-batches over all ranks
+    if b.staging is None:
+        reduce_scatter_flat(b.grad, b.comm, group)  # this rank's slice of the gradient sum
+    else:
+        reduce_scatter_flat(b.staging, b.comm, group)
+        b.grad.copy_(b.staging)
+    b.grad.div_(b.count)  # the mean over all micro-batches of all ranks
+
+    for group_state, hyper in zip(optimizer.param_groups, hyperparams):
+        group_state.update(hyper)
+
+    if kind is RoundKind.ESTIMATE:
+        assert snapshot is not None
+        snapshot.save(optimizer, params, b.master)
+    optimizer.step()
+    if b.staging is None:
+        all_gather_flat(b.comm, b.master, group)  # every rank's new slice -> full weights
+    else:
+        b.staging.copy_(b.master)
+        all_gather_flat(b.comm, b.staging, group)
+    if kind is RoundKind.ESTIMATE:
+        snapshot.restore(optimizer, params, b.master)  # Opt*: leave theta and state untouched
+    return RoundResult(kind, local_microbatches, b.count)

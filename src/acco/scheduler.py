@@ -1,0 +1,150 @@
+"""StreamScheduler: where a communication round runs.
+
+* CPU (gloo, or no process group): on one background worker thread. gloo's
+  collectives and PyTorch's kernels release the GIL, so a round really runs
+  while the main thread computes the next backward.
+* CUDA (NCCL): on a second CUDA stream, ordered with the compute stream by CUDA
+  events only; the host never blocks on the device here.
+
+The scheduler also installs a finished round's weights into the model's
+parameters (the theta / theta~ swap): it copies into the fixed parameter
+storage, so parameter addresses never change.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import queue
+import threading
+from typing import Callable, List, Optional, Sequence, TypeVar
+
+import torch
+
+__all__ = ["StreamScheduler"]
+
+T = TypeVar("T")
+
+
+class _Worker:
+    """One daemon thread running submitted callables in order.
+
+    A daemon (unlike ``ThreadPoolExecutor``'s workers) so that a round stuck in
+    a collective with a dead peer can never keep the interpreter from exiting.
+    """
+
+    def __init__(self) -> None:
+        self._queue: "queue.SimpleQueue" = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._loop, name="acco-round", daemon=True)
+        self._thread.start()
+
+    def submit(self, fn: Callable[[], T]) -> concurrent.futures.Future:
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._queue.put((fut, fn))
+        return fut
+
+    def _loop(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            fut, fn = item
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn())
+                except BaseException as exc:  # handed to the caller of wait()
+                    fut.set_exception(exc)
+            # Drop the round's references here, not at the next get(): a thread that
+            # frees tensors while the interpreter exits aborts the process.
+            del item, fut, fn
+
+    def shutdown(self, timeout: float) -> None:
+        """Stop the thread and join it (at most ``timeout`` s: it may be stuck with a dead peer)."""
+        self._queue.put(None)
+        self._thread.join(timeout)
+
+
+class StreamScheduler:
+    """Runs one round at a time asynchronously on ``device``'s side channel.
+
+    ``submit(fn)`` starts ``fn`` after all work already issued on the compute
+    side (the hand-off), ``done()`` asks without blocking whether it finished,
+    ``wait()`` orders the compute side after it (CPU: blocks the calling
+    thread; CUDA: makes the current stream wait, no host sync) and returns
+    ``fn``'s result, re-raising its exception.
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = torch.device(device)
+        self._cuda = self.device.type == "cuda"
+        self._pending: Optional[concurrent.futures.Future] = None
+        self._result = None
+        if self._cuda:
+            self._stream = torch.cuda.Stream(device=self.device)
+            self._done_event: Optional[torch.cuda.Event] = None
+        else:
+            self._worker = _Worker()
+        self._closed = False
+
+    @property
+    def in_flight(self) -> bool:
+        """True from ``submit`` until ``wait`` has collected the round."""
+        return self._pending is not None
+
+    def submit(self, fn: Callable[[], T]) -> None:
+        if self._closed:
+            raise RuntimeError("StreamScheduler.submit() after close()")
+        if self._pending is not None:
+            raise RuntimeError("StreamScheduler runs one round at a time: wait() for the previous one first")
+        if self._cuda:
+            handoff = torch.cuda.Event()
+            handoff.record()  # compute stream: the gradient hand-off and the parameter copy are issued
+            self._stream.wait_event(handoff)  # side stream: start the round only after them
+            with torch.cuda.stream(self._stream):
+                result = fn()
+                done = torch.cuda.Event()
+                done.record(self._stream)  # side stream: the round's weights are in the comm buffer
+            fut: concurrent.futures.Future = concurrent.futures.Future()
+            fut.set_result(result)
+            self._done_event = done
+            self._pending = fut
+        else:
+            self._pending = self._worker.submit(fn)
+
+    def done(self) -> bool:
+        """Whether the in-flight round has finished (True when none is). Never blocks."""
+        if self._pending is None:
+            return True
+        if self._cuda:
+            return self._done_event.query()
+        return self._pending.done()
+
+    def wait(self):
+        """Order the compute side after the in-flight round; return its result."""
+        if self._pending is None:
+            return None
+        fut, self._pending = self._pending, None
+        if self._cuda:
+            torch.cuda.current_stream(self.device).wait_event(self._done_event)  # compute waits for the round's weights
+            self._done_event = None
+        return fut.result()  # CPU: blocks until the worker thread is done; re-raises its error
+
+    def install(self, params: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> None:
+        """Copy a finished round's weights into the parameters, in place (the theta/theta~ swap).
+
+        Call after :meth:`wait`, on the compute side, before the next ``submit``
+        overwrites ``sources``.
+        """
+        with torch.no_grad():
+            torch._foreach_copy_(list(params), list(sources))
+
+    def close(self, wait: bool = True) -> None:
+        """Stop accepting rounds; with ``wait``, collect the in-flight one first."""
+        if self._closed:
+            return
+        try:
+            if wait:
+                self.wait()
+        finally:
+            self._closed = True
+            if not self._cuda:
+                self._worker.shutdown(timeout=10.0)

@@ -1,0 +1,80 @@
+"""Spawn helper for multi-rank CPU tests: gloo over a FileStore, with timeouts.
+
+``run_ranks(fn, world_size, *args)`` runs ``fn(rank, world_size, *args)`` in
+``world_size`` fresh processes and returns their results in rank order. A rank
+that raises makes the call fail at once with that rank's traceback (the others
+are killed); a run that outlives ``timeout`` is killed and fails. A bug shows as
+a failure, never as a hang.
+"""
+
+from __future__ import annotations
+
+import datetime
+import io
+import multiprocessing as mp
+import os
+import queue
+import tempfile
+import time
+import traceback
+from typing import Any, Callable, List
+
+import torch
+
+DEFAULT_TIMEOUT = float(os.environ.get("ACCO_TEST_TIMEOUT", "180"))
+PG_TIMEOUT = datetime.timedelta(seconds=60)
+
+
+def _entry(rank: int, world_size: int, init_file: str, fn: Callable, args: tuple, results: Any) -> None:
+    os.environ["OMP_NUM_THREADS"] = "1"
+    torch.set_num_threads(1)
+    try:
+        import torch.distributed as dist
+
+        dist.init_process_group(
+            "gloo", init_method=f"file://{init_file}", rank=rank, world_size=world_size, timeout=PG_TIMEOUT
+        )
+        out = fn(rank, world_size, *args)
+        buf = io.BytesIO()
+        torch.save(out, buf)
+        results.put((rank, "ok", buf.getvalue()))
+        dist.destroy_process_group()
+    except BaseException:
+        results.put((rank, "error", traceback.format_exc()))
+
+
+def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT) -> List[Any]:
+    ctx = mp.get_context("spawn")
+    results = ctx.Queue()
+    with tempfile.TemporaryDirectory() as tmp:
+        init_file = os.path.join(tmp, "store")
+        procs = [
+            ctx.Process(target=_entry, args=(r, world_size, init_file, fn, args, results), daemon=True)
+            for r in range(world_size)
+        ]
+        for p in procs:
+            p.start()
+        out: dict = {}
+        deadline = time.monotonic() + timeout
+        try:
+            while len(out) < world_size:
+                try:
+                    rank, status, payload = results.get(timeout=0.5)
+                except queue.Empty:
+                    dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in out]
+                    if dead:
+                        raise AssertionError(f"rank(s) {dead} died (exit codes {[procs[r].exitcode for r in dead]})")
+                    if time.monotonic() > deadline:
+                        raise TimeoutError(f"{fn.__name__} on {world_size} ranks did not finish in {timeout:.0f}s")
+                    continue
+                if status == "error":
+                    raise AssertionError(f"rank {rank} failed:\n{payload}")
+                out[rank] = torch.load(io.BytesIO(payload), weights_only=True)
+        finally:
+            for p in procs:
+                if p.is_alive():
+                    p.join(timeout=2 if len(out) == world_size else 0)
+                if p.is_alive():
+                    p.kill()
+                    p.join()
+    return [out[r] for r in range(world_size)]

@@ -1,0 +1,88 @@
+"""A plain, slow, single-process transcription of ``algorithm.md``.
+
+No sharding, no threads, no process group: ``N`` ranks are simulated in a loop,
+the wrapped optimizer runs on full tensors. The fast path is tested against it.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Callable, List, Sequence
+
+import torch
+
+Tensors = List[torch.Tensor]
+GradFn = Callable[[int, int, Tensors], Tensors]  # (rank, micro-batch index on that rank, weights) -> gradients
+MakeOpt = Callable[[Tensors], torch.optim.Optimizer]
+
+
+def _opt_step(opt: torch.optim.Optimizer, theta: Tensors, grads: Tensors) -> None:
+    """Opt(theta, g): one committed step."""
+    for t, g in zip(theta, grads):
+        t.grad = g.clone()
+    opt.step()
+
+
+def _opt_star(opt: torch.optim.Optimizer, make_opt: MakeOpt, theta: Tensors, grads: Tensors) -> Tensors:
+    """Opt*(theta, g): the same step on a scratch copy; theta and opt untouched."""
+    scratch = [t.detach().clone() for t in theta]
+    tmp = make_opt(scratch)
+    tmp.load_state_dict(copy.deepcopy(opt.state_dict()))
+    _opt_step(tmp, scratch, grads)
+    return scratch
+
+
+def reference_run(
+    theta0: Tensors,
+    make_opt: MakeOpt,
+    mode: str,
+    grad_fn: GradFn,
+    counts: Sequence[Sequence[int]],
+):
+    """Simulate ``len(counts)`` ranks; ``counts[r][k]`` micro-batches of rank ``r`` in hand-off ``k``.
+
+    Returns ``(after_step, final)``: ``after_step[r]`` lists the model weights
+    on rank ``r`` after each of its ``step()`` calls, ``final`` the weights after
+    ``finish()`` (the same on every rank).
+    """
+    n_ranks, n_handoffs = len(counts), len(counts[0])
+    assert all(len(c) == n_handoffs for c in counts), "every rank hands off the same number of rounds"
+    theta = [t.detach().clone() for t in theta0]  # committed weights theta_t
+    opt = make_opt(theta)
+    model = [t.clone() for t in theta]  # P: what the model holds (identical on all ranks)
+    accum = [torch.zeros_like(t) for t in theta]
+    accum_count = 0
+    pending = None  # (weights, kind) of the round in flight
+    next_mb = [0] * n_ranks
+    after_step: List[List[Tensors]] = [[] for _ in range(n_ranks)]
+
+    for k in range(n_handoffs):
+        for r in range(n_ranks):
+            for j in range(counts[r][k]):
+                for a, g in zip(accum, grad_fn(r, next_mb[r], model)):
+                    a += g
+                next_mb[r] += 1
+                accum_count += 1
+                if j < counts[r][k] - 1:  # no hand-off: the model keeps its weights
+                    after_step[r].append([t.clone() for t in model])
+        # Hand-off k: the previous round's weights become the model's.
+        if pending is not None:
+            model = [t.clone() for t in pending[0]]
+        kind = "estimate" if mode == "acco" and k % 2 == 0 else "commit"
+        mean = [a / accum_count for a in accum]
+        if kind == "estimate":
+            result = _opt_star(opt, make_opt, theta, mean)  # theta~_{t+1}; gradients kept for the commit
+        else:
+            _opt_step(opt, theta, mean)  # theta_{t+1}
+            result = [t.detach().clone() for t in theta]
+            accum = [torch.zeros_like(t) for t in theta]
+            accum_count = 0
+        pending = (result, kind)
+        if mode == "sync":
+            model, pending = [t.clone() for t in result], None
+        for r in range(n_ranks):
+            after_step[r].append([t.clone() for t in model])
+
+    if pending is not None and pending[1] == "commit":
+        model = pending[0]
+    return after_step, [t.clone() for t in model]

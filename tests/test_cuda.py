@@ -1,0 +1,85 @@
+"""CUDA stream path: rounds on a side stream ordered by events (needs a GPU)."""
+
+from __future__ import annotations
+
+import os
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from oracle import reference_run
+from tinynet import TinyNet, batch, flat, flat_list, make_model, rel_err
+
+from acco import AccoOptimizer, StreamScheduler
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA stream path requires a CUDA GPU")
+
+KW = dict(lr=1e-2, weight_decay=0.1)
+
+
+def _loss(model, i):
+    x, y = (t.cuda() for t in batch(0, i))
+    return ((model(x).float() - y) ** 2).mean()
+
+
+def _grad_fn(rank, index, weights):
+    model = TinyNet().cuda()
+    with torch.no_grad():
+        for p, w in zip(model.parameters(), weights):
+            p.copy_(w)
+    _loss(model, index).backward()
+    return [p.grad.detach().clone() for p in model.parameters()]
+
+
+def _run(mode, steps=7):
+    model = make_model().cuda()
+    theta0 = [p.detach().clone() for p in model.parameters()]
+    opt = AccoOptimizer(model.parameters(), mode=mode, max_microbatches=1, **KW)
+    traj = []
+    for i in range(steps):
+        _loss(model, i).backward()
+        opt.step()
+        opt.zero_grad()
+        traj.append(flat(model).cpu())
+    opt.finish()
+    ref, ref_final = reference_run(theta0, lambda ps: torch.optim.AdamW(ps, **KW), mode, _grad_fn, [[1] * steps])
+    return traj, flat(model).cpu(), ref, ref_final
+
+
+@pytest.mark.parametrize("mode", ["acco", "dpu", "sync"])
+def test_cuda_single_gpu_matches_oracle(mode):
+    """Check that the side-stream path gives the oracle's weights after every step and after finish()."""
+    traj, final, ref, ref_final = _run(mode)
+    assert max(rel_err(a, flat_list(b).cpu()) for a, b in zip(traj, ref[0])) < 1e-5
+    assert rel_err(final, flat_list(ref_final).cpu()) < 1e-5
+
+
+def test_cuda_scheduler_uses_a_side_stream():
+    """Check that work submitted to the scheduler runs on a stream other than the current one."""
+    sched = StreamScheduler(torch.device("cuda"))
+    seen = []
+    sched.submit(lambda: seen.append(torch.cuda.current_stream()))
+    sched.wait()
+    sched.close()
+    assert seen[0] != torch.cuda.current_stream()
+
+
+def test_cuda_nccl_one_rank_bf16():
+    """Check NCCL with one rank and a bf16 compute copy: fp32 master, model = bf16(master)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        dist.init_process_group("nccl", init_method=f"file://{os.path.join(tmp, 's')}", rank=0, world_size=1)
+        try:
+            model = make_model().cuda()
+            opt = AccoOptimizer(model.parameters(), mode="acco", compute_dtype=torch.bfloat16, max_microbatches=1, **KW)
+            for i in range(6):
+                x, y = (t.cuda() for t in batch(0, i))
+                ((model(x.bfloat16()).float() - y) ** 2).mean().backward()
+                opt.step()
+            opt.finish()
+            master = opt._buffers.master[: opt.layout.numel]
+            assert master.dtype == torch.float32
+            assert torch.equal(flat(model), master.to(torch.bfloat16).to(torch.float64))
+        finally:
+            dist.destroy_process_group()

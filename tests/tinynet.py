@@ -1,0 +1,65 @@
+"""A tiny model and deterministic data shared by the tests.
+
+59 trainable elements (a prime), so shards are uneven for 2 and 3 ranks and
+parameters straddle shard boundaries.
+"""
+
+from __future__ import annotations
+
+from typing import List
+
+import torch
+from torch import nn
+
+
+class TinyNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(5, 6)
+        self.fc2 = nn.Linear(6, 3)
+        self.shift = nn.Parameter(torch.zeros(2))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        out = self.fc2(torch.tanh(self.fc1(x)))
+        return out + torch.cat([self.shift, self.shift.new_zeros(1)])
+
+
+def make_model(seed: int = 0) -> TinyNet:
+    torch.manual_seed(seed)
+    return TinyNet()
+
+
+def batch(rank: int, index: int, n: int = 4):
+    """Micro-batch ``index`` of ``rank``: the same on every run and process."""
+    g = torch.Generator().manual_seed(1000 * rank + index + 1)
+    x = torch.randn(n, 5, generator=g)
+    y = torch.randn(n, 3, generator=g)
+    return x, y
+
+
+def loss_fn(model: nn.Module, rank: int, index: int) -> torch.Tensor:
+    x, y = batch(rank, index)
+    return ((model(x) - y) ** 2).mean()
+
+
+def grad_fn(rank: int, index: int, weights: List[torch.Tensor]) -> List[torch.Tensor]:
+    """Gradient of micro-batch ``(rank, index)`` at ``weights`` (for the oracle)."""
+    model = TinyNet()
+    with torch.no_grad():
+        for p, w in zip(model.parameters(), weights):
+            p.copy_(w)
+    loss_fn(model, rank, index).backward()
+    return [p.grad.detach().clone() for p in model.parameters()]
+
+
+def flat(model: nn.Module) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1).to(torch.float64) for p in model.parameters()])
+
+
+def flat_list(ts: List[torch.Tensor]) -> torch.Tensor:
+    return torch.cat([t.detach().reshape(-1).to(torch.float64) for t in ts])
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Largest element-wise error relative to the reference's scale."""
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
