@@ -33,6 +33,8 @@ CASES = [
     ("min > max", lambda: (make_model().parameters(),), {"min_microbatches": 3, "max_microbatches": 2}, ValueError, "min_microbatches=3 > max_microbatches=2"),
     ("min < 1", lambda: (make_model().parameters(),), {"min_microbatches": 0}, ValueError, "min_microbatches"),
     ("bad kwarg", lambda: (make_model().parameters(),), {"momentum": 0.9}, TypeError, "momentum"),
+    ("max_grad_norm <= 0", lambda: (make_model().parameters(),), {"max_grad_norm": 0.0}, ValueError, "max_grad_norm"),
+    ("unknown nonfinite policy", lambda: (make_model().parameters(),), {"nonfinite": "ignore"}, ValueError, "'ignore'"),
     ("int compute dtype", lambda: (make_model().parameters(),), {"compute_dtype": torch.int8}, TypeError, "compute_dtype"),
 ]
 
@@ -93,3 +95,34 @@ def test_a_failing_rank_fails_the_test_fast():
     """Check that the spawn helper reports a failing rank at once, not at the process-group timeout."""
     with pytest.raises(AssertionError, match="rank 1 failed"):
         run_ranks(_failing_worker, 2, timeout=50)  # a TimeoutError here would mean it hung
+
+
+def test_frozen_parameters_are_ignored():
+    """Check that parameters with requires_grad=False are neither updated nor part of the flat buffers."""
+    model = make_model()
+    model.fc1.requires_grad_(False)
+    frozen = model.fc1.weight.detach().clone()
+    opt = AccoOptimizer(model.parameters(), mode="sync", lr=1e-2)
+    assert len(opt._params) == 3 and opt.layout.numel == 18 + 3 + 2
+    loss_fn(model, 0, 0).backward()
+    opt.step()
+    assert torch.equal(model.fc1.weight, frozen) and model.fc1.weight.grad is None
+
+
+@pytest.mark.parametrize("zero", ["opt", "model_none"])
+def test_sparse_gradients_are_densified(zero):
+    """Check that nn.Embedding(sparse=True) trains exactly as the dense embedding (gradients densified)."""
+    finals = []
+    for sparse in (False, True):
+        torch.manual_seed(0)
+        emb = nn.Embedding(10, 3, sparse=sparse)
+        opt = AccoOptimizer(emb.parameters(), mode="sync", lr=1e-2)
+        for i in range(4):
+            if zero == "model_none":
+                emb.zero_grad(set_to_none=True)  # then autograd hands over a sparse tensor
+            emb(torch.tensor([i, i + 1, 1])).pow(2).sum().backward()
+            opt.step()
+            opt.zero_grad()
+        opt.finish()
+        finals.append(emb.weight.detach().clone())
+    assert torch.equal(finals[0], finals[1])

@@ -34,6 +34,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from data import eval_batches, load_corpus, sample_batch  # noqa: E402
 from model import GPTConfig, build_model  # noqa: E402
 
+import acco  # noqa: E402
 from acco import AccoOptimizer  # noqa: E402
 
 
@@ -84,10 +85,7 @@ def param_groups(model, weight_decay):
 
 def setup():
     if "RANK" in os.environ:
-        backend = "nccl" if torch.cuda.is_available() else "gloo"
-        if backend == "nccl":
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        dist.init_process_group(backend)
+        acco.init_process_group()  # NCCL with GPUs, else gloo; safe under torchrun --max-restarts
         return dist.get_rank(), dist.get_world_size()
     return 0, 1
 

@@ -4,8 +4,10 @@ ACCO ("Accumulate While You Communicate", Nabli et al., NeurIPS 2025,
 arXiv 2406.02613) as a drop-in ``torch.optim`` optimizer.
 """
 
+from .launch import init_process_group
 from .optimizer import AccoOptimizer
+from .rounds import NonFiniteGradientError
 from .scheduler import StreamScheduler
 
-__all__ = ["AccoOptimizer", "StreamScheduler"]
+__all__ = ["AccoOptimizer", "NonFiniteGradientError", "StreamScheduler", "init_process_group"]
 __version__ = "0.1.0"

@@ -39,6 +39,13 @@ def check_microbatches(min_microbatches: Any, max_microbatches: Any) -> None:
         )
 
 
+def check_clipping(max_grad_norm: Any, nonfinite: Any) -> None:
+    if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)) or not max_grad_norm > 0):
+        raise ValueError(f"max_grad_norm must be None or a number > 0, got {max_grad_norm!r}")
+    if nonfinite not in ("skip", "raise"):
+        raise ValueError(f"nonfinite must be 'skip' or 'raise', got {nonfinite!r}")
+
+
 def normalize_param_groups(params: Any) -> List[Dict[str, Any]]:
     """Turn ``params`` into a list of group dicts holding only trainable tensors.
 

@@ -8,6 +8,7 @@ round, when a finished round's weights go into the model. The layout lives in
 
 from __future__ import annotations
 
+import datetime
 import hashlib
 import logging
 import weakref
@@ -18,6 +19,7 @@ import torch
 import torch.distributed as dist
 
 from . import _validation as V
+from . import checkpoint as _checkpoint
 from .collectives import group_rank, group_size
 from .layout import FlatLayout
 from .rounds import OptimizerSnapshot, RoundKind, RoundResult, ShardBuffers, round_kind, run_round
@@ -67,6 +69,13 @@ class AccoOptimizer(torch.optim.Optimizer):
             flight, then ``step()`` waits for it; ``None``: no bound.
         compute_dtype: dtype of the model's parameters (the compute copy), e.g.
             ``torch.bfloat16``; the sharded master stays fp32. ``None``: keep.
+        max_grad_norm: clip the global L2 norm of the averaged gradient to
+            this, as ``clip_grad_norm_`` on the full gradient would.
+        nonfinite: ``"skip"`` (default) an update whose averaged gradient holds
+            inf/NaN, counting it in ``num_skipped_updates``, or ``"raise"``
+            :class:`~acco.NonFiniteGradientError`; all ranks act alike.
+        timeout: how long a round's collectives wait for a peer before
+            raising (default: the process group default).
         **optimizer_kwargs: passed to ``optimizer_class`` (``lr=...``).
     """
 
@@ -80,11 +89,15 @@ class AccoOptimizer(torch.optim.Optimizer):
         min_microbatches: int = 1,
         max_microbatches: Optional[int] = None,
         compute_dtype: Optional[torch.dtype] = None,
+        max_grad_norm: Optional[float] = None,
+        nonfinite: str = "skip",
+        timeout: Optional[datetime.timedelta] = None,
         **optimizer_kwargs: Any,
     ) -> None:
         V.check_optimizer_class(optimizer_class)
         V.check_mode(mode)
         V.check_microbatches(min_microbatches, max_microbatches)
+        V.check_clipping(max_grad_norm, nonfinite)
         groups = V.normalize_param_groups(params)
         super().__init__(groups, dict(optimizer_kwargs))
         self._params: List[torch.Tensor] = [p for g in self.param_groups for p in g["params"]]
@@ -96,6 +109,8 @@ class AccoOptimizer(torch.optim.Optimizer):
         self.min_microbatches = min_microbatches
         self.max_microbatches = max_microbatches
         self.optimizer_class = optimizer_class
+        self.max_grad_norm = max_grad_norm
+        self.nonfinite = nonfinite
         self._group = V.resolve_process_group(process_group)
         self.world_size = group_size(self._group)
         self.rank = group_rank(self._group)
@@ -113,6 +128,7 @@ class AccoOptimizer(torch.optim.Optimizer):
             self._round_group = dist.new_group(
                 ranks=dist.get_process_group_ranks(self._group),
                 backend=dist.get_backend(self._group),
+                timeout=timeout,
                 use_local_synchronization=self._group is not dist.group.WORLD,
             )
         else:
@@ -187,6 +203,12 @@ class AccoOptimizer(torch.optim.Optimizer):
         self._failed: Optional[BaseException] = None
         self.num_rounds = 0  # rounds handed off
         self.num_updates = 0  # committed updates now in the model
+        self._pending: Optional[RoundKind] = None  # a collected round whose weights are not yet in the model
+        self._update_hyper: List[Dict[str, Any]] = []  # hyper-parameters of the update being handed off
+        self._lr_schedulers: List[Any] = []
+        self._at_boundary = True  # no micro-batch since the last committed hand-off
+        self.num_skipped_updates = 0
+        self._last_grad_norm: Optional[torch.Tensor] = None
         self._history: List[tuple] = []  # (kind, local micro-batches, total over ranks as a device tensor)
         self._committed_mb = torch.zeros((), dtype=torch.float64, device=device)
         # A weak reference: parameters must not keep the optimizer (and its process
@@ -232,6 +254,22 @@ class AccoOptimizer(torch.optim.Optimizer):
             for p in self._params:
                 dist.broadcast(p.data, src=src, group=self._group)
 
+    def _check_same_round_count(self) -> None:
+        """Raise on every rank if the ranks handed off different numbers of rounds. Collective."""
+        if self._group is None:
+            return
+        mine = torch.tensor([self.num_rounds], dtype=torch.int64, device=self._buffers.master.device)
+        everyone = [torch.empty_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(everyone, mine, group=self._group)
+        counts = [int(t.item()) for t in everyone]
+        if len(set(counts)) > 1:
+            self._failed = RuntimeError("round count mismatch")
+            raise RuntimeError(
+                f"AccoOptimizer.finish(): the ranks handed off different numbers of rounds {counts} "
+                "(rank i at index i), so their last rounds can never complete. Make every rank run the "
+                "same number of updates, e.g. loop while opt.next_update_index < total_updates."
+            )
+
     def _check_open(self) -> None:
         if self._failed is not None:
             raise RuntimeError("AccoOptimizer: a previous round failed; this optimizer cannot continue") from self._failed
@@ -251,14 +289,16 @@ class AccoOptimizer(torch.optim.Optimizer):
             if g is None:  # set_to_none by the user: no gradient for p this micro-batch
                 v.zero_()
                 p.grad = v
+            elif g.is_sparse:  # e.g. nn.Embedding(sparse=True) after set_to_none: densified
+                v.copy_(g.to_dense())
+                p.grad = v
             elif g.data_ptr() != v.data_ptr() or g.shape != v.shape:  # replaced by the user/autograd
-                if g.is_sparse:
-                    raise TypeError("AccoOptimizer received a sparse gradient; use dense gradients (sparse=False)")
                 v.copy_(g)
                 p.grad = v
         self._accum.add_(self._grads)
         self._grads.zero_()
         self._grads_dirty = False
+        self._at_boundary = False
         self._since_handoff += 1
         self._in_accum += 1
 
@@ -285,7 +325,7 @@ class AccoOptimizer(torch.optim.Optimizer):
         ]
 
     def _collect(self) -> Optional[RoundResult]:
-        """Wait for the in-flight round and put its weights in the model if it committed."""
+        """Wait for the in-flight round; its weights stay pending in the comm buffer."""
         if not self.scheduler.in_flight:
             return None
         try:
@@ -297,15 +337,22 @@ class AccoOptimizer(torch.optim.Optimizer):
         if result.kind is RoundKind.COMMIT:
             self.num_updates += 1
             self._committed_mb += total[0]
+            self.num_skipped_updates += int(result.skipped)
+        self._last_grad_norm = result.grad_norm
         self._history.append((result.kind.value, result.local_microbatches, total))
+        self._pending = result.kind
         return result
+
+    def _install_pending(self, commits_only: bool = False) -> None:
+        """theta/theta~ swap: put the collected round's weights into the model."""
+        if self._pending is not None and (not commits_only or self._pending is RoundKind.COMMIT):
+            self.scheduler.install(self._params, self._comm_views)
+        self._pending = None
 
     def _handoff(self) -> None:
         """Start the next round on the gradients accumulated so far (compute side ordered first)."""
-        previous = self._collect()
-        if previous is not None:
-            # theta/theta~ swap: round k-1's weights are the model's for the micro-batches after hand-off k.
-            self.scheduler.install(self._params, self._comm_views)
+        self._collect()
+        self._install_pending()  # round k-1's weights are the model's for the micro-batches after hand-off k
         kind = round_kind(self.mode, self.num_rounds)
         with torch.no_grad():
             self._comm.copy_(self._accum)
@@ -315,19 +362,27 @@ class AccoOptimizer(torch.optim.Optimizer):
         if kind is RoundKind.COMMIT:
             self._in_accum = 0
         self._since_handoff = 0
+        if self.mode != "acco" or kind is RoundKind.ESTIMATE:
+            self._update_hyper = self._hyperparams()  # both rounds of one acco update use the same
         fn = partial(
             run_round,
             kind,
             self._buffers,
             self.local_optimizer,
             self._pieces,
-            self._hyperparams(),
+            self._update_hyper,
             count,
             self._round_group,
             self._snapshot,
+            self.max_grad_norm,
+            self.nonfinite,
         )
         self.num_rounds += 1
         self.scheduler.submit(fn)
+        if kind is RoundKind.COMMIT:
+            self._at_boundary = True
+            for scheduler in self._lr_schedulers:
+                scheduler.step()  # schedules count committed updates
 
     def _ready_for_handoff(self) -> bool:
         if self._since_handoff < self.min_microbatches:
@@ -355,7 +410,7 @@ class AccoOptimizer(torch.optim.Optimizer):
         self._handoff()
         if self.mode == "sync":
             self._collect()
-            self.scheduler.install(self._params, self._comm_views)
+            self._install_pending()
         return loss
 
     def finish(self) -> None:
@@ -368,9 +423,9 @@ class AccoOptimizer(torch.optim.Optimizer):
         if self._finished:
             return
         try:
-            result = self._collect()
-            if result is not None and result.kind is RoundKind.COMMIT:
-                self.scheduler.install(self._params, self._comm_views)
+            self._check_same_round_count()
+            self._collect()
+            self._install_pending(commits_only=True)
         finally:
             self._finished = True
             self.scheduler.close(wait=False)
@@ -409,6 +464,27 @@ class AccoOptimizer(torch.optim.Optimizer):
         return self.mode != "acco" or self.num_rounds % 2 == 1 or self.num_rounds == 0 or self._finished
 
     @property
+    def at_update_boundary(self) -> bool:
+        """True right after the step() that handed off a committed update (and before any
+        further micro-batch), or before the first step: where a checkpoint may be taken."""
+        return self._at_boundary
+
+    @property
+    def last_grad_norm(self) -> Optional[float]:
+        """Global L2 norm (before clipping) of the averaged gradient of the last collected round."""
+        return None if self._last_grad_norm is None else float(self._last_grad_norm.item())
+
+    def attach_lr_scheduler(self, scheduler: Any) -> Any:
+        """Step ``scheduler`` once per committed update handed off (every rank alike).
+
+        Then a schedule counts committed updates, not ``step()`` calls (which in
+        mode acco are two per update, and differ across ranks that accumulate).
+        Do not also call ``scheduler.step()`` yourself. Returns ``scheduler``.
+        """
+        self._lr_schedulers.append(scheduler)
+        return scheduler
+
+    @property
     def committed_microbatches(self) -> int:
         """Micro-batches of all ranks in the committed updates so far (reads the device)."""
         return int(self._committed_mb.item())
@@ -420,10 +496,26 @@ class AccoOptimizer(torch.optim.Optimizer):
             for kind, local, total in self._history
         ]
 
-    # ------------------------------------------------------------------ not yet
+    # ------------------------------------------------------------------ checkpoints
 
-    def state_dict(self) -> Dict[str, Any]:  # pragma: no cover - replaced by the checkpoint issue
-        raise NotImplementedError("AccoOptimizer.state_dict() is not implemented yet (sharded checkpoints: issue 4)")
+    def state_dict(self) -> Dict[str, Any]:
+        """Sharded state for ``torch.distributed.checkpoint`` (see :mod:`acco.checkpoint`).
 
-    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:  # pragma: no cover
-        raise NotImplementedError("AccoOptimizer.load_state_dict() is not implemented yet (issue 4)")
+        Take it at an update boundary (``at_update_boundary``); it waits for the
+        in-flight round. Collective: call on all ranks.
+        """
+        return _checkpoint.state_dict(self)
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Restore a :meth:`state_dict`, saved on any number of ranks; also restores the
+        model's parameters. Collective: call on all ranks."""
+        _checkpoint.load_state_dict(self, state_dict)
+
+    def consolidated_state_dict(self) -> Dict[str, Any]:
+        """Full per-parameter state in the wrapped optimizer's own format. Collective."""
+        return _checkpoint.consolidated_state_dict(self)
+
+    def load_consolidated_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Take a plain optimizer's ``state_dict()``; the master comes from the model's
+        current weights. Collective: call on all ranks."""
+        _checkpoint.load_consolidated_state_dict(self, state_dict)

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import copy
 import enum
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
@@ -26,7 +26,17 @@ import torch.distributed as dist
 
 from .collectives import all_gather_flat, all_reduce_sum, reduce_scatter_flat
 
-__all__ = ["RoundKind", "ShardBuffers", "OptimizerSnapshot", "run_round", "round_kind"]
+__all__ = [
+    "NonFiniteGradientError",
+    "OptimizerSnapshot",
+    "RoundKind",
+    "RoundResult",
+    "ShardBuffers",
+    "clip_coefficient",
+    "global_grad_norm",
+    "round_kind",
+    "run_round",
+]
 
 
 class RoundKind(enum.Enum):
@@ -118,8 +128,25 @@ class OptimizerSnapshot:
 class RoundResult:
     kind: RoundKind
     local_microbatches: int
-    total_microbatches: Optional[torch.Tensor] = None  # on the device; read lazily
-    extras: Dict[str, Any] = field(default_factory=dict)
+    total_microbatches: torch.Tensor  # on the device
+    grad_norm: torch.Tensor  # global L2 norm of the averaged gradient, before clipping
+    skipped: bool = False  # non-finite gradient: no update was applied
+
+
+class NonFiniteGradientError(FloatingPointError):
+    """The averaged gradient of a round holds inf or NaN (raised on every rank alike)."""
+
+
+def global_grad_norm(grad_shard: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
+    """L2 norm of the full averaged gradient from this rank's slice. Collective."""
+    sq = grad_shard.double().pow(2).sum().reshape(1)
+    all_reduce_sum(sq, group)  # sum of squares over all slices
+    return sq.sqrt()[0]
+
+
+def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
+    """The factor ``torch.nn.utils.clip_grad_norm_`` scales gradients by."""
+    return (max_norm / (norm + 1e-6)).clamp(max=1.0)
 
 
 def run_round(
@@ -131,6 +158,8 @@ def run_round(
     local_microbatches: int,
     group: Optional[dist.ProcessGroup],
     snapshot: Optional[OptimizerSnapshot] = None,
+    max_grad_norm: Optional[float] = None,
+    nonfinite: str = "skip",
 ) -> RoundResult:
     """Run one round on the current thread/stream. Collective: call on all ranks.
 
@@ -139,6 +168,13 @@ def run_round(
     ``hyperparams`` (one dict per group, taken at hand-off) are written into the
     wrapped optimizer's groups before its step, so schedulers act on the round
     that was handed off after they moved.
+
+    The global norm of the averaged gradient is always computed (one scalar
+    all-reduce). If it is not finite, every rank sees the same: with
+    ``nonfinite="raise"`` the round raises :class:`NonFiniteGradientError`;
+    with ``"skip"`` no step is taken and the unchanged weights are all-gathered.
+    With ``max_grad_norm`` the gradient is scaled exactly as
+    ``clip_grad_norm_`` would scale the full gradient.
     """
     b = buffers
     b.count.fill_(float(local_microbatches))
@@ -149,19 +185,30 @@ def run_round(
         reduce_scatter_flat(b.staging, b.comm, group)
         b.grad.copy_(b.staging)
     b.grad.div_(b.count)  # the mean over all micro-batches of all ranks
+    norm = global_grad_norm(b.grad, group)
+    skipped = not bool(torch.isfinite(norm))  # a host sync, on the round's own thread
+    if skipped and nonfinite == "raise":
+        raise NonFiniteGradientError(
+            f"{kind.value} round: the averaged gradient's norm is {norm.item()} (inf/NaN); "
+            "pass nonfinite='skip' to skip such updates instead"
+        )
+    if max_grad_norm is not None and not skipped:
+        b.grad.mul_(clip_coefficient(norm, max_grad_norm).to(b.grad.dtype))
 
     for group_state, hyper in zip(optimizer.param_groups, hyperparams):
         group_state.update(hyper)
 
-    if kind is RoundKind.ESTIMATE:
+    stepping = kind is RoundKind.ESTIMATE and not skipped
+    if stepping:
         assert snapshot is not None
         snapshot.save(optimizer, params, b.master)
-    optimizer.step()
+    if not skipped:
+        optimizer.step()
     if b.staging is None:
         all_gather_flat(b.comm, b.master, group)  # every rank's new slice -> full weights
     else:
         b.staging.copy_(b.master)
         all_gather_flat(b.comm, b.staging, group)
-    if kind is RoundKind.ESTIMATE:
+    if stepping:
         snapshot.restore(optimizer, params, b.master)  # Opt*: leave theta and state untouched
-    return RoundResult(kind, local_microbatches, b.count)
+    return RoundResult(kind, local_microbatches, b.count, norm, skipped)

@@ -3,8 +3,9 @@
 * CPU (gloo, or no process group): on one background worker thread. gloo's
   collectives and PyTorch's kernels release the GIL, so a round really runs
   while the main thread computes the next backward.
-* CUDA (NCCL): on a second CUDA stream, ordered with the compute stream by CUDA
-  events only; the host never blocks on the device here.
+* CUDA (NCCL): the same worker thread issues the round's kernels and
+  collectives on a second CUDA stream, ordered with the compute stream by CUDA
+  events only; the training loop's thread never blocks on the device here.
 
 The scheduler also installs a finished round's weights into the model's
 parameters (the theta / theta~ swap): it copies into the fixed parameter
@@ -16,6 +17,7 @@ from __future__ import annotations
 import concurrent.futures
 import queue
 import threading
+from functools import partial
 from typing import Callable, List, Optional, Sequence, TypeVar
 
 import torch
@@ -81,8 +83,7 @@ class StreamScheduler:
         if self._cuda:
             self._stream = torch.cuda.Stream(device=self.device)
             self._done_event: Optional[torch.cuda.Event] = None
-        else:
-            self._worker = _Worker()
+        self._worker = _Worker()
         self._closed = False
 
     @property
@@ -98,35 +99,38 @@ class StreamScheduler:
         if self._cuda:
             handoff = torch.cuda.Event()
             handoff.record()  # compute stream: the gradient hand-off and the parameter copy are issued
-            self._stream.wait_event(handoff)  # side stream: start the round only after them
-            with torch.cuda.stream(self._stream):
-                result = fn()
-                done = torch.cuda.Event()
-                done.record(self._stream)  # side stream: the round's weights are in the comm buffer
-            fut: concurrent.futures.Future = concurrent.futures.Future()
-            fut.set_result(result)
+            done = torch.cuda.Event()
             self._done_event = done
-            self._pending = fut
-        else:
-            self._pending = self._worker.submit(fn)
+            fn = partial(self._on_side_stream, fn, handoff, done)
+        self._pending = self._worker.submit(fn)
+
+    def _on_side_stream(self, fn: Callable[[], T], handoff: "torch.cuda.Event", done: "torch.cuda.Event") -> T:
+        """Worker thread, CUDA: issue the round on the side stream between two events."""
+        torch.cuda.set_device(self.device)
+        self._stream.wait_event(handoff)  # side stream: start only after the hand-off on the compute stream
+        with torch.cuda.stream(self._stream):
+            result = fn()
+        done.record(self._stream)  # side stream: the round's weights are in the comm buffer
+        return result
 
     def done(self) -> bool:
         """Whether the in-flight round has finished (True when none is). Never blocks."""
         if self._pending is None:
             return True
-        if self._cuda:
-            return self._done_event.query()
-        return self._pending.done()
+        if not self._pending.done():  # the worker is still issuing (CUDA) or running (CPU) the round
+            return False
+        return not self._cuda or self._done_event.query()
 
     def wait(self):
         """Order the compute side after the in-flight round; return its result."""
         if self._pending is None:
             return None
         fut, self._pending = self._pending, None
+        result = fut.result()  # blocks until the worker has run (CPU) or issued (CUDA) the round; re-raises
         if self._cuda:
             torch.cuda.current_stream(self.device).wait_event(self._done_event)  # compute waits for the round's weights
             self._done_event = None
-        return fut.result()  # CPU: blocks until the worker thread is done; re-raises its error
+        return result
 
     def install(self, params: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> None:
         """Copy a finished round's weights into the parameters, in place (the theta/theta~ swap).
@@ -146,5 +150,4 @@ class StreamScheduler:
                 self.wait()
         finally:
             self._closed = True
-            if not self._cuda:
-                self._worker.shutdown(timeout=10.0)
+            self._worker.shutdown(timeout=10.0)

@@ -1,0 +1,386 @@
+"""Checkpoints: sharded state dicts for torch.distributed.checkpoint (DCP), and a
+consolidated per-parameter format for moving to and from a plain optimizer.
+
+Sharded format (``AccoOptimizer.state_dict()``), keyed by names and parameter
+indices, never ``id(p)``::
+
+    master    flat fp32 weights (all parameters end to end)     \\
+    params    flat model weights (the compute copy, see below)   } 1-D DTensors, Shard(0):
+    state/K   flat optimizer state K (AdamW: exp_avg, ...)      /  each rank writes its slice
+    scalars/K per-parameter scalar state (AdamW: step), one value per parameter
+    hyper/G.K numeric hyper-parameter K of param group G (lr, betas, ...)
+    counters  [num_rounds, num_updates, num_skipped_updates, committed micro-batches, pending]
+
+Every flat tensor has the same global length whatever the world size, so DCP
+reshards a checkpoint saved on N ranks onto M ranks by itself. Nothing is
+pickled: all entries are tensors, and loading executes no code.
+
+*When* a checkpoint may be taken: at an update boundary (``opt.at_update_boundary``),
+i.e. right after the ``step()`` that handed off a committed update and before
+the next micro-batch. The in-flight commit is waited for and saved; nothing is
+accumulated but uncommitted, so resuming neither loses nor double-counts a
+micro-batch. ``params`` holds the weights the model needs for the next
+micro-batch (in mode acco the estimate theta~), so a resumed run continues
+exactly where the uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
+
+import torch
+import torch.distributed as dist
+
+from .collectives import all_gather_flat
+from .rounds import RoundKind
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .optimizer import AccoOptimizer
+
+__all__ = [
+    "consolidated_state_dict",
+    "load",
+    "load_consolidated_state_dict",
+    "load_state_dict",
+    "save",
+    "state_dict",
+]
+
+
+# --------------------------------------------------------------------- helpers
+
+
+def _flat(opt: "AccoOptimizer", local: torch.Tensor):
+    """Wrap this rank's slice as the 1-D global tensor (a DTensor when there is a group)."""
+    if opt._group is None:
+        return local
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    mesh = DeviceMesh.from_group(opt._group, local.device.type)
+    n = opt.layout.numel
+    return DTensor.from_local(local, mesh, [Shard(0)], run_check=False, shape=torch.Size([n]), stride=(1,))
+
+
+def _local(t) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _state_keys(opt: "AccoOptimizer"):
+    """Per-element (same size as the piece) and scalar state keys of the wrapped optimizer."""
+    flat_keys, scalar_keys = [], []
+    for p in opt._pieces:
+        for key, value in opt.local_optimizer.state.get(p, {}).items():
+            if torch.is_tensor(value) and value.dim() >= 1:
+                if key not in flat_keys:
+                    flat_keys.append(key)
+            elif torch.is_tensor(value) or isinstance(value, (int, float)):
+                if key not in scalar_keys:
+                    scalar_keys.append(key)
+            else:
+                raise TypeError(f"cannot checkpoint optimizer state {key!r} of type {type(value).__name__}")
+    return flat_keys, scalar_keys
+
+
+def _numeric_hyper(value: Any) -> Optional[torch.Tensor]:
+    if isinstance(value, bool) or value is None:
+        return None if value is None else torch.tensor(float(value), dtype=torch.float64)
+    if isinstance(value, (int, float)):
+        return torch.tensor(float(value), dtype=torch.float64)
+    if torch.is_tensor(value) and value.numel() == 1:
+        return value.detach().to("cpu", torch.float64).reshape(())
+    if isinstance(value, (tuple, list)) and value and all(isinstance(v, (int, float)) and not isinstance(v, bool) for v in value):
+        return torch.tensor([float(v) for v in value], dtype=torch.float64)
+    return None
+
+
+def _restore_hyper(current: Any, saved: torch.Tensor) -> Any:
+    if isinstance(current, bool):
+        return bool(saved.item())
+    if isinstance(current, int):
+        return int(saved.item())
+    if isinstance(current, float):
+        return float(saved.item())
+    if torch.is_tensor(current):
+        return saved.to(current.device, current.dtype).reshape(current.shape)
+    if isinstance(current, (tuple, list)):
+        return type(current)(saved.tolist())
+    return current
+
+
+def _require_boundary(opt: "AccoOptimizer", what: str) -> None:
+    if opt._failed is not None:
+        raise RuntimeError(f"AccoOptimizer.{what}(): a previous round failed") from opt._failed
+    if not opt.at_update_boundary:
+        raise RuntimeError(
+            f"AccoOptimizer.{what}() at a mid-update point: {opt._in_accum} micro-batch(es) of an update are "
+            "accumulated but not committed. Call it right after the step() that hands off a committed update "
+            "(when opt.at_update_boundary is True), e.g. every K updates."
+        )
+
+
+def _slice_of(opt: "AccoOptimizer", full_params: List[torch.Tensor]) -> torch.Tensor:
+    """This rank's slice of per-parameter full tensors, flattened end to end."""
+    pieces = opt.layout.pieces(opt.rank)
+    return torch.cat([t.reshape(-1)[pc.param_start : pc.param_end] for t, pc in zip(full_params, pieces)])
+
+
+def _gather_full(opt: "AccoOptimizer", local: torch.Tensor) -> torch.Tensor:
+    """All ranks' slices end to end (length numel). Collective on the rounds' group."""
+    s = opt.layout.shard_size
+    padded = torch.zeros(s, dtype=local.dtype, device=local.device)
+    padded[: local.numel()] = local
+    full = torch.empty(opt.layout.padded_numel, dtype=local.dtype, device=local.device)
+    all_gather_flat(full, padded, opt._round_group)
+    return full[: opt.layout.numel]
+
+
+# --------------------------------------------------------------- sharded format
+
+
+def state_dict(opt: "AccoOptimizer") -> Dict[str, Any]:
+    """The sharded, DCP-ready state (see the module docstring). Collective."""
+    _require_boundary(opt, "state_dict")
+    opt._collect()  # the in-flight commit: its weights stay pending in the comm buffer
+    real = opt.layout.real_numel(opt.rank)
+    flat_keys, scalar_keys = _state_keys(opt)
+    state = opt.local_optimizer.state
+    out: Dict[str, Any] = {
+        "master": _flat(opt, opt._buffers.master[:real].clone()),
+        "params": _flat(opt, _slice_of(opt, [p.detach() for p in opt._params]).clone()),
+        "state": {
+            k: _flat(opt, torch.cat([state[p][k].reshape(-1) for p in opt._pieces]).clone()) for k in flat_keys
+        },
+        "scalars": {
+            k: torch.tensor([float(state[p][k]) for p in opt._pieces], dtype=torch.float64) for k in scalar_keys
+        },
+        "hyper": {},
+        "counters": torch.tensor(
+            [opt.num_rounds, opt.num_updates, opt.num_skipped_updates, opt.committed_microbatches,
+             int(opt._pending is RoundKind.COMMIT)],
+            dtype=torch.int64,
+        ),
+    }
+    for gi, group in enumerate(opt.param_groups):
+        for key, value in group.items():
+            t = None if key == "params" else _numeric_hyper(value)
+            if t is not None:
+                out["hyper"][f"{gi}.{key}"] = t
+    return out
+
+
+def state_dict_template(opt: "AccoOptimizer", flat_keys, scalar_keys, hyper_keys) -> Dict[str, Any]:
+    """Empty tensors of the right shapes and placement for ``dcp.load`` to fill."""
+    real = opt.layout.real_numel(opt.rank)
+    dev = opt._buffers.master.device
+    n = len(opt._params)
+    return {
+        "master": _flat(opt, torch.zeros(real, dtype=opt._buffers.master.dtype, device=dev)),
+        "params": _flat(opt, torch.zeros(real, dtype=opt.compute_dtype, device=dev)),
+        "state": {k: _flat(opt, torch.zeros(real, dtype=opt._buffers.master.dtype, device=dev)) for k in flat_keys},
+        "scalars": {k: torch.zeros(n, dtype=torch.float64) for k in scalar_keys},
+        "hyper": {k: torch.zeros(shape, dtype=torch.float64) for k, shape in hyper_keys.items()},
+        "counters": torch.zeros(5, dtype=torch.int64),
+    }
+
+
+def load_state_dict(opt: "AccoOptimizer", sd: Dict[str, Any]) -> None:
+    """Restore from :func:`state_dict` output (possibly saved on another world size). Collective."""
+    _require_boundary(opt, "load_state_dict")
+    opt._collect()
+    opt._pending = None
+    real = opt.layout.real_numel(opt.rank)
+    pieces = opt.layout.pieces(opt.rank)
+    master = opt._buffers.master
+    scalar_dtype = torch.float32
+    with torch.no_grad():
+        master.zero_()
+        master[:real].copy_(_local(sd["master"]))
+        opt.local_optimizer.state.clear()
+        for i, (p, pc) in enumerate(zip(opt._pieces, pieces)):
+            st = opt.local_optimizer.state[p]
+            for key, flat in sd["state"].items():
+                st[key] = _local(flat)[pc.local_start : pc.local_end].to(master.dtype).clone()
+            for key, values in sd["scalars"].items():
+                st[key] = torch.tensor(float(values[i]), dtype=scalar_dtype)
+        # The model's weights: each rank has a slice; gather them whole, then the master.
+        full = _gather_full(opt, _local(sd["params"]).to(opt.compute_dtype))
+        for prm, (a, b) in zip(opt._params, (opt.layout.param_range(i) for i in range(len(opt._params)))):
+            prm.copy_(full[a:b].view_as(prm))
+        counters = [int(v) for v in sd["counters"].tolist()]
+        opt.num_rounds, opt.num_updates, opt.num_skipped_updates = counters[:3]
+        opt._committed_mb.fill_(counters[3])
+        if counters[4]:  # a commit was collected at save time: its weights go in at the next hand-off
+            opt._comm.copy_(_gather_full_padded(opt, master))
+            opt._pending = RoundKind.COMMIT
+        opt._accum.zero_()
+        opt._grads.zero_()
+    for key, value in sd["hyper"].items():
+        gi, name = key.split(".", 1)
+        group = opt.param_groups[int(gi)]
+        group[name] = _restore_hyper(group.get(name), value)
+    opt._in_accum = opt._since_handoff = 0
+    opt._at_boundary = True
+    opt._update_hyper = opt._hyperparams()
+
+
+def _gather_full_padded(opt: "AccoOptimizer", master: torch.Tensor) -> torch.Tensor:
+    """All-gather the master slices in the compute dtype (what a round's all-gather gives). Collective."""
+    shard = master.to(opt.compute_dtype)
+    full = torch.empty(opt.layout.padded_numel, dtype=opt.compute_dtype, device=master.device)
+    all_gather_flat(full, shard, opt._round_group)
+    return full
+
+
+# ---------------------------------------------------------- consolidated format
+
+
+def consolidated_state_dict(opt: "AccoOptimizer") -> Dict[str, Any]:
+    """The wrapped optimizer's own format with full per-parameter state, on every rank. Collective.
+
+    ``torch.optim.AdamW(model.parameters(), ...).load_state_dict(...)`` accepts it,
+    so a run can leave acco for a plain optimizer (with the committed weights,
+    e.g. after ``finish()``).
+    """
+    _require_boundary(opt, "consolidated_state_dict")
+    opt._collect()
+    flat_keys, scalar_keys = _state_keys(opt)
+    state = opt.local_optimizer.state
+    per_param: Dict[int, Dict[str, Any]] = {i: {} for i in range(len(opt._params))}
+    for key in flat_keys:
+        local = torch.cat([state[p][key].reshape(-1) for p in opt._pieces])
+        full = _gather_full(opt, local)
+        for i, prm in enumerate(opt._params):
+            a, b = opt.layout.param_range(i)
+            per_param[i][key] = full[a:b].view(prm.shape).clone()
+    for key in scalar_keys:
+        for i, p in enumerate(opt._pieces):
+            value = state[p][key]
+            per_param[i][key] = value.clone() if torch.is_tensor(value) else value
+    groups, start = [], 0
+    for group in opt.param_groups:
+        n = len(group["params"])
+        hyper = {k: v for k, v in group.items() if k != "params"}
+        groups.append({**hyper, "params": list(range(start, start + n))})
+        start += n
+    return {"state": {i: s for i, s in per_param.items() if s}, "param_groups": groups}
+
+
+def load_consolidated_state_dict(opt: "AccoOptimizer", sd: Dict[str, Any]) -> None:
+    """Take a plain optimizer's ``state_dict()`` (same parameters, same order).
+
+    The master weights are taken from the model's current parameters: load the
+    model's weights first. Call on all ranks (each keeps its slice).
+    """
+    _require_boundary(opt, "load_consolidated_state_dict")
+    opt._collect()
+    opt._pending = None
+    if len(sd["param_groups"]) != len(opt.param_groups) or any(
+        len(g["params"]) != len(h["params"]) for g, h in zip(sd["param_groups"], opt.param_groups)
+    ):
+        raise ValueError(
+            "the state dict's param groups "
+            f"{[len(g['params']) for g in sd['param_groups']]} do not match this optimizer's "
+            f"{[len(g['params']) for g in opt.param_groups]} (parameters per group)"
+        )
+    pieces = opt.layout.pieces(opt.rank)
+    master = opt._buffers.master
+    real = opt.layout.real_numel(opt.rank)
+    with torch.no_grad():
+        master.zero_()
+        master[:real].copy_(_slice_of(opt, [p.detach() for p in opt._params]).to(master.dtype))
+        opt.local_optimizer.state.clear()
+        saved = {int(k): v for k, v in sd["state"].items()}
+        for i, (p, pc) in enumerate(zip(opt._pieces, pieces)):
+            for key, value in saved.get(i, {}).items():
+                if torch.is_tensor(value) and value.dim() >= 1:
+                    value = value.reshape(-1)[pc.param_start : pc.param_end].to(master.device, master.dtype).clone()
+                elif torch.is_tensor(value):
+                    value = value.clone()
+                opt.local_optimizer.state[p][key] = value
+    for group, saved_group in zip(opt.param_groups, sd["param_groups"]):
+        for key, value in saved_group.items():
+            if key != "params":
+                group[key] = value
+    opt._update_hyper = opt._hyperparams()
+
+
+# ------------------------------------------------------------- files (DCP)
+
+
+def _rank0(group) -> bool:
+    return not dist.is_initialized() or dist.get_rank(group) == 0
+
+
+def _barrier(group) -> None:
+    if dist.is_initialized():
+        dist.barrier(group=group)
+
+
+def save(path: str, optimizer: "AccoOptimizer", *, model: Optional[torch.nn.Module] = None,
+         extra: Optional[Dict[str, torch.Tensor]] = None) -> None:
+    """Write a checkpoint folder with DCP, each rank its own slice. Collective.
+
+    Crash-safe: DCP writes ``PATH.tmp``; only once every rank has finished is
+    it renamed to ``PATH`` (the previous checkpoint is moved aside first and
+    deleted last), so a crash while saving leaves the previous checkpoint whole.
+    ``extra``: tensors of your own (e.g. the data position), restored by :func:`load`.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    group = optimizer._group
+    sd: Dict[str, Any] = {"optim": state_dict(optimizer), "extra": dict(extra or {})}
+    if model is not None:
+        sd["model"] = model.state_dict()
+    tmp, old = f"{path}.tmp", f"{path}.old"
+    if _rank0(group):
+        shutil.rmtree(tmp, ignore_errors=True)
+    _barrier(group)
+    dcp.save(sd, checkpoint_id=tmp, process_group=group)
+    _barrier(group)  # every rank's slice is on disk
+    if _rank0(group):
+        if os.path.exists(path):
+            shutil.rmtree(old, ignore_errors=True)
+            os.rename(path, old)
+        os.rename(tmp, path)
+        shutil.rmtree(old, ignore_errors=True)
+    _barrier(group)
+
+
+def resolve(path: str) -> str:
+    """The checkpoint to read: ``PATH``, or ``PATH.old`` if a save was cut off between its renames."""
+    if os.path.exists(os.path.join(path, ".metadata")):
+        return path
+    old = f"{path}.old"
+    if os.path.exists(os.path.join(old, ".metadata")):
+        return old
+    raise FileNotFoundError(f"no checkpoint at {path!r} (no .metadata file there or in {old!r})")
+
+
+def load(path: str, optimizer: "AccoOptimizer", *, model: Optional[torch.nn.Module] = None,
+         extra: Optional[Dict[str, torch.Tensor]] = None) -> Dict[str, torch.Tensor]:
+    """Read a checkpoint written by :func:`save` on any number of ranks. Collective.
+
+    ``extra`` gives the names (and shapes) of your own tensors to read back;
+    they are returned. Loading executes no code: every entry is a tensor.
+    """
+    import torch.distributed.checkpoint as dcp
+
+    path = resolve(path)
+    meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    flat_keys = [k.split(".", 2)[2] for k in meta if k.startswith("optim.state.")]
+    scalar_keys = [k.split(".", 2)[2] for k in meta if k.startswith("optim.scalars.")]
+    hyper_keys = {k.split(".", 2)[2]: tuple(meta[k].size) for k in meta if k.startswith("optim.hyper.")}
+    sd: Dict[str, Any] = {
+        "optim": state_dict_template(optimizer, flat_keys, scalar_keys, hyper_keys),
+        "extra": {k: v.clone() for k, v in (extra or {}).items()},
+    }
+    if model is not None:
+        sd["model"] = model.state_dict()
+    dcp.load(sd, checkpoint_id=path, process_group=optimizer._group)
+    if model is not None:
+        model.load_state_dict(sd["model"])
+    load_state_dict(optimizer, sd["optim"])
+    return sd["extra"]
