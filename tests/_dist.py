@@ -14,6 +14,8 @@ import io
 import multiprocessing as mp
 import os
 import queue
+import signal
+import subprocess
 import tempfile
 import time
 import traceback
@@ -78,3 +80,22 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = DEFAUL
                     p.kill()
                     p.join()
     return [out[r] for r in range(world_size)]
+
+
+def run_command(cmd: List[str], timeout: float) -> str:
+    """Run ``cmd`` (e.g. torchrun) with OMP_NUM_THREADS=1; return its output, fail on error or timeout.
+
+    The command gets a session of its own, so on a timeout it dies with all its
+    children (torchrun's ranks) instead of leaving them behind.
+    """
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
+                            start_new_session=True)
+    try:
+        output, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        output, _ = proc.communicate()
+        raise AssertionError(f"{cmd[2:4]} did not finish in {timeout:.0f} s:\n{output[-3000:]}") from None
+    assert proc.returncode == 0, output[-6000:]
+    return output

@@ -5,13 +5,12 @@ from __future__ import annotations
 import importlib.util
 import json
 import math
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from _dist import run_command
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "examples" / "gpt" / "train.py"
@@ -23,17 +22,7 @@ def _torchrun(tmp_path: Path, name: str, *args: str) -> dict:
     out = tmp_path / name
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(TRAIN),
            *TINY, "--out", str(out), *args]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    # A session of its own, so that on a timeout the ranks die with torchrun instead of lingering.
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=240)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        raise AssertionError(f"train.py did not finish in 240 s:\n{output[-3000:]}") from None
-    assert proc.returncode == 0, output[-6000:]
+    run_command(cmd, timeout=240)
     summary = json.loads((out / "summary.json").read_text())
     summary["metrics"] = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     return summary

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
 import sys
 from pathlib import Path
 
 import torch
+
+from _dist import run_command
 
 SCRIPT = Path(__file__).resolve().parent / "resume_script.py"
 
@@ -16,16 +15,7 @@ SCRIPT = Path(__file__).resolve().parent / "resume_script.py"
 def _torchrun(out: Path, kill_at: int) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
            "--max-restarts=1", "--monitor-interval=0.5", str(SCRIPT), str(out), "20", "4", str(kill_at)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                            start_new_session=True)
-    try:
-        output, _ = proc.communicate(timeout=300)
-    except subprocess.TimeoutExpired:
-        os.killpg(proc.pid, signal.SIGKILL)
-        output, _ = proc.communicate()
-        raise AssertionError(f"torchrun did not finish in 300 s:\n{output[-3000:]}") from None
-    assert proc.returncode == 0, output[-5000:]
+    run_command(cmd, timeout=300)
     return torch.load(out / "final.pt", weights_only=True)
 
 

@@ -338,7 +338,7 @@ def save(path: str, optimizer: "AccoOptimizer", *, model: Optional[torch.nn.Modu
     if _rank0(group):
         shutil.rmtree(tmp, ignore_errors=True)
     _barrier(group)
-    dcp.save(sd, checkpoint_id=tmp, process_group=group)
+    dcp.save(sd, checkpoint_id=tmp, process_group=group, no_dist=not dist.is_initialized())
     _barrier(group)  # every rank's slice is on disk
     if _rank0(group):
         if os.path.exists(path):
@@ -379,7 +379,7 @@ def load(path: str, optimizer: "AccoOptimizer", *, model: Optional[torch.nn.Modu
     }
     if model is not None:
         sd["model"] = model.state_dict()
-    dcp.load(sd, checkpoint_id=path, process_group=optimizer._group)
+    dcp.load(sd, checkpoint_id=path, process_group=optimizer._group, no_dist=not dist.is_initialized())
     if model is not None:
         model.load_state_dict(sd["model"])
     load_state_dict(optimizer, sd["optim"])

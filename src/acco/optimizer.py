@@ -153,7 +153,6 @@ class AccoOptimizer(torch.optim.Optimizer):
         self._accum = torch.zeros(n, dtype=cd, device=device)  # gradient sum since the last commit
         self._comm = torch.zeros(n, dtype=cd, device=device)  # round in/out: gradients out, weights in
         self._grad_views = _views(self._grads, self.layout)
-        self._accum_views = _views(self._accum, self.layout)
         self._comm_views = _views(self._comm, self.layout)
         for p, v in zip(self._params, self._grad_views):
             if p.grad is not None:
@@ -428,7 +427,8 @@ class AccoOptimizer(torch.optim.Optimizer):
             self._install_pending(commits_only=True)
         finally:
             self._finished = True
-            self.scheduler.close(wait=False)
+            # After a failure the worker may be stuck in a collective with a dead peer: do not wait for it.
+            self.scheduler.close(wait=False, join_timeout=0.0 if self._failed is not None else 10.0)
             self._release_round_group()
         with torch.no_grad():
             self._accum.zero_()

@@ -141,8 +141,9 @@ class StreamScheduler:
         with torch.no_grad():
             torch._foreach_copy_(list(params), list(sources))
 
-    def close(self, wait: bool = True) -> None:
-        """Stop accepting rounds; with ``wait``, collect the in-flight one first."""
+    def close(self, wait: bool = True, join_timeout: float = 10.0) -> None:
+        """Stop accepting rounds; with ``wait``, collect the in-flight one first; join the worker
+        for at most ``join_timeout`` seconds."""
         if self._closed:
             return
         try:
@@ -150,4 +151,4 @@ class StreamScheduler:
                 self.wait()
         finally:
             self._closed = True
-            self._worker.shutdown(timeout=10.0)
+            self._worker.shutdown(timeout=join_timeout)
