@@ -26,7 +26,7 @@ demo: $(VENV)/.ready
 	OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --nproc_per_node=2 examples/gpt/train.py \
 		--optimizer acco --steps 60 --eval-every 20 --log-every 10 --no-progress
 
-## The convergence study of docs/convergence.md (about 70 minutes on 2 cores).
+## The convergence study of docs/convergence.md (about 100 minutes on 2 cores).
 study: $(VENV)/.ready
 	$(PY) examples/gpt/study.py --out runs/study --steps 600 --eval-every 50
 

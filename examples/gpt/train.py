@@ -262,7 +262,8 @@ def train(args, rank, world):
         if world > 1:
             per_rank = [None] * world
             dist.all_gather_object(per_rank, [h["local_microbatches"] for h in history])
-        summary["microbatches_per_round"] = per_rank  # [rank][round]
+        # [rank][round]: micro-batches in each round's gradient (an acco commit's includes its estimate's)
+        summary["microbatches_per_round"] = per_rank
         summary["mean_microbatches_per_round"] = [sum(c) / max(1, len(c)) for c in per_rank]
     log({"step": trainer.updates, "tokens": trainer.tokens(), "time": round(wall, 3), "train_loss": None,
          "eval_loss": final, "lr": None})
