@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from _dist import run_ranks
-from tinynet import TinyNet, flat, make_model, rel_err
+from tinynet import flat, make_model, rel_err
 
 import acco.checkpoint as ckpt
 from acco import AccoOptimizer

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import datetime
 import importlib.util
-import math
 import os
 import time
 

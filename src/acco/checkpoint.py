@@ -213,7 +213,8 @@ def load_state_dict(opt: "AccoOptimizer", sd: Dict[str, Any]) -> None:
         opt.num_rounds, opt.num_updates, opt.num_skipped_updates = counters[:3]
         opt._committed_mb.fill_(counters[3])
         if counters[4]:  # a commit was collected at save time: its weights go in at the next hand-off
-            opt._comm.copy_(_gather_full_padded(opt, master))
+            opt._comm.zero_()
+            opt._comm[: opt.layout.numel].copy_(_gather_full(opt, master[:real].to(opt.compute_dtype)))
             opt._pending = RoundKind.COMMIT
         opt._accum.zero_()
         opt._grads.zero_()
@@ -224,14 +225,6 @@ def load_state_dict(opt: "AccoOptimizer", sd: Dict[str, Any]) -> None:
     opt._in_accum = opt._since_handoff = 0
     opt._at_boundary = True
     opt._update_hyper = opt._hyperparams()
-
-
-def _gather_full_padded(opt: "AccoOptimizer", master: torch.Tensor) -> torch.Tensor:
-    """All-gather the master slices in the compute dtype (what a round's all-gather gives). Collective."""
-    shard = master.to(opt.compute_dtype)
-    full = torch.empty(opt.layout.padded_numel, dtype=opt.compute_dtype, device=master.device)
-    all_gather_flat(full, shard, opt._round_group)
-    return full
 
 
 # ---------------------------------------------------------- consolidated format

@@ -18,7 +18,7 @@ import concurrent.futures
 import queue
 import threading
 from functools import partial
-from typing import Callable, List, Optional, Sequence, TypeVar
+from typing import Callable, Optional, Sequence, TypeVar
 
 import torch
 
