@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import os
 import shutil
-from typing import TYPE_CHECKING, Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Dict, Optional
 
 import torch
 import torch.distributed as dist
@@ -121,10 +121,16 @@ def _require_boundary(opt: "AccoOptimizer", what: str) -> None:
         )
 
 
-def _slice_of(opt: "AccoOptimizer", full_params: List[torch.Tensor]) -> torch.Tensor:
-    """This rank's slice of per-parameter full tensors, flattened end to end."""
+def _param_slice(opt: "AccoOptimizer") -> torch.Tensor:
+    """This rank's slice of the model's parameters, flattened end to end."""
     pieces = opt.layout.pieces(opt.rank)
-    return torch.cat([t.reshape(-1)[pc.param_start : pc.param_end] for t, pc in zip(full_params, pieces)])
+    return torch.cat([p.detach().reshape(-1)[pc.param_start : pc.param_end] for p, pc in zip(opt._params, pieces)])
+
+
+def _local_state(opt: "AccoOptimizer", key: str) -> torch.Tensor:
+    """This rank's slice of element-wise optimizer state ``key``, flattened end to end."""
+    state = opt.local_optimizer.state
+    return torch.cat([state[p][key].reshape(-1) for p in opt._pieces])
 
 
 def _gather_full(opt: "AccoOptimizer", local: torch.Tensor) -> torch.Tensor:
@@ -149,10 +155,8 @@ def state_dict(opt: "AccoOptimizer") -> Dict[str, Any]:
     state = opt.local_optimizer.state
     out: Dict[str, Any] = {
         "master": _flat(opt, opt._buffers.master[:real].clone()),
-        "params": _flat(opt, _slice_of(opt, [p.detach() for p in opt._params]).clone()),
-        "state": {
-            k: _flat(opt, torch.cat([state[p][k].reshape(-1) for p in opt._pieces]).clone()) for k in flat_keys
-        },
+        "params": _flat(opt, _param_slice(opt).clone()),
+        "state": {k: _flat(opt, _local_state(opt, k).clone()) for k in flat_keys},
         "scalars": {
             k: torch.tensor([float(state[p][k]) for p in opt._pieces], dtype=torch.float64) for k in scalar_keys
         },
@@ -171,7 +175,7 @@ def state_dict(opt: "AccoOptimizer") -> Dict[str, Any]:
     return out
 
 
-def state_dict_template(opt: "AccoOptimizer", flat_keys, scalar_keys, hyper_keys) -> Dict[str, Any]:
+def _template(opt: "AccoOptimizer", flat_keys, scalar_keys, hyper_keys) -> Dict[str, Any]:
     """Empty tensors of the right shapes and placement for ``dcp.load`` to fill."""
     real = opt.layout.real_numel(opt.rank)
     dev = opt._buffers.master.device
@@ -207,8 +211,7 @@ def load_state_dict(opt: "AccoOptimizer", sd: Dict[str, Any]) -> None:
                 st[key] = torch.tensor(float(values[i]), dtype=scalar_dtype)
         # The model's weights: each rank has a slice; gather them whole, then the master.
         full = _gather_full(opt, _local(sd["params"]).to(opt.compute_dtype))
-        for prm, (a, b) in zip(opt._params, (opt.layout.param_range(i) for i in range(len(opt._params)))):
-            prm.copy_(full[a:b].view_as(prm))
+        opt.scheduler.install(opt._params, opt.layout.views(full))
         counters = [int(v) for v in sd["counters"].tolist()]
         opt.num_rounds, opt.num_updates, opt.num_skipped_updates = counters[:3]
         opt._committed_mb.fill_(counters[3])
@@ -243,11 +246,8 @@ def consolidated_state_dict(opt: "AccoOptimizer") -> Dict[str, Any]:
     state = opt.local_optimizer.state
     per_param: Dict[int, Dict[str, Any]] = {i: {} for i in range(len(opt._params))}
     for key in flat_keys:
-        local = torch.cat([state[p][key].reshape(-1) for p in opt._pieces])
-        full = _gather_full(opt, local)
-        for i, prm in enumerate(opt._params):
-            a, b = opt.layout.param_range(i)
-            per_param[i][key] = full[a:b].view(prm.shape).clone()
+        for i, view in enumerate(opt.layout.views(_gather_full(opt, _local_state(opt, key)))):
+            per_param[i][key] = view.clone()
     for key in scalar_keys:
         for i, p in enumerate(opt._pieces):
             value = state[p][key]
@@ -283,7 +283,7 @@ def load_consolidated_state_dict(opt: "AccoOptimizer", sd: Dict[str, Any]) -> No
     real = opt.layout.real_numel(opt.rank)
     with torch.no_grad():
         master.zero_()
-        master[:real].copy_(_slice_of(opt, [p.detach() for p in opt._params]).to(master.dtype))
+        master[:real].copy_(_param_slice(opt).to(master.dtype))
         opt.local_optimizer.state.clear()
         saved = {int(k): v for k, v in sd["state"].items()}
         for i, (p, pc) in enumerate(zip(opt._pieces, pieces)):
@@ -367,7 +367,7 @@ def load(path: str, optimizer: "AccoOptimizer", *, model: Optional[torch.nn.Modu
     scalar_keys = [k.split(".", 2)[2] for k in meta if k.startswith("optim.scalars.")]
     hyper_keys = {k.split(".", 2)[2]: tuple(meta[k].size) for k in meta if k.startswith("optim.hyper.")}
     sd: Dict[str, Any] = {
-        "optim": state_dict_template(optimizer, flat_keys, scalar_keys, hyper_keys),
+        "optim": _template(optimizer, flat_keys, scalar_keys, hyper_keys),
         "extra": {k: v.clone() for k, v in (extra or {}).items()},
     }
     if model is not None:

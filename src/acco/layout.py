@@ -97,6 +97,10 @@ class FlatLayout:
             out.append(Piece(i, a, b, a - lo, b - lo, ps, pe))
         return out
 
+    def views(self, flat):
+        """Per-parameter views (shaped like the parameters) into a flat buffer of at least ``numel``."""
+        return [flat[a:b].view(shape) for shape, (a, b) in zip(self.shapes, map(self.param_range, range(len(self.shapes))))]
+
     def real_numel(self, rank: int) -> int:
         """Elements of the shard that belong to parameters (not padding)."""
         lo, hi = self.shard_range(rank)

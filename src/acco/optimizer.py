@@ -30,15 +30,6 @@ __all__ = ["AccoOptimizer"]
 log = logging.getLogger("acco")
 
 
-def _views(flat: torch.Tensor, layout: FlatLayout) -> List[torch.Tensor]:
-    """Per-parameter views into a flat buffer."""
-    out = []
-    for i, shape in enumerate(layout.shapes):
-        a, b = layout.param_range(i)
-        out.append(flat[a:b].view(shape))
-    return out
-
-
 class AccoOptimizer(torch.optim.Optimizer):
     """ZeRO-1 sharded optimizer whose communication overlaps computation (ACCO).
 
@@ -121,7 +112,7 @@ class AccoOptimizer(torch.optim.Optimizer):
 
         self.layout = FlatLayout.build([p.shape for p in self._params], self.world_size)
         if self._group is not None:
-            self._check_same_model_across_ranks(device)
+            self._check_same_model_across_ranks()
             self._broadcast_parameters()
             # Rounds talk on a group of their own, so the user's collectives on the
             # main thread can never interleave with a round's on the worker.
@@ -139,7 +130,7 @@ class AccoOptimizer(torch.optim.Optimizer):
         master = torch.zeros(self.layout.shard_size, dtype=master_dtype, device=device)
         flat_params = torch.zeros(self.layout.padded_numel, dtype=master_dtype, device=device)
         with torch.no_grad():
-            for v, p in zip(_views(flat_params, self.layout), self._params):
+            for v, p in zip(self.layout.views(flat_params), self._params):
                 v.copy_(p)
             master.copy_(flat_params[lo:hi])
             del flat_params
@@ -152,8 +143,8 @@ class AccoOptimizer(torch.optim.Optimizer):
         self._grads = torch.zeros(n, dtype=cd, device=device)  # where backward writes (.grad views)
         self._accum = torch.zeros(n, dtype=cd, device=device)  # gradient sum since the last commit
         self._comm = torch.zeros(n, dtype=cd, device=device)  # round in/out: gradients out, weights in
-        self._grad_views = _views(self._grads, self.layout)
-        self._comm_views = _views(self._comm, self.layout)
+        self._grad_views = self.layout.views(self._grads)
+        self._comm_views = self.layout.views(self._comm)
         for p, v in zip(self._params, self._grad_views):
             if p.grad is not None:
                 v.copy_(p.grad)
@@ -229,15 +220,17 @@ class AccoOptimizer(torch.optim.Optimizer):
         parts += [f"{tuple(p.shape)}:{p.dtype}" for p in self._params]
         return "|".join(parts)
 
-    def _check_same_model_across_ranks(self, device: torch.device) -> None:
-        """All-gather a fingerprint of the model and options; raise on every rank if any differ. Collective."""
-        digest = hashlib.sha256(self._signature().encode()).digest()
-        mine = torch.tensor(
-            [len(self._params), self.layout.numel, int.from_bytes(digest[:7], "little")], dtype=torch.int64, device=device
-        )
+    def _all_gather_row(self, row: List[int]) -> List[List[int]]:
+        """Every rank's ``row`` of ints, in rank order. Collective on the user's group."""
+        mine = torch.tensor(row, dtype=torch.int64, device=self._params[0].device)
         everyone = [torch.empty_like(mine) for _ in range(self.world_size)]
         dist.all_gather(everyone, mine, group=self._group)
-        rows = [t.tolist() for t in everyone]
+        return [t.tolist() for t in everyone]
+
+    def _check_same_model_across_ranks(self) -> None:
+        """All-gather a fingerprint of the model and options; raise on every rank if any differ. Collective."""
+        digest = hashlib.sha256(self._signature().encode()).digest()
+        rows = self._all_gather_row([len(self._params), self.layout.numel, int.from_bytes(digest[:7], "little")])
         if any(r != rows[0] for r in rows):
             detail = "; ".join(f"rank {i}: {r[0]} tensors, {r[1]} elements" for i, r in enumerate(rows))
             raise RuntimeError(
@@ -257,10 +250,7 @@ class AccoOptimizer(torch.optim.Optimizer):
         """Raise on every rank if the ranks handed off different numbers of rounds. Collective."""
         if self._group is None:
             return
-        mine = torch.tensor([self.num_rounds], dtype=torch.int64, device=self._buffers.master.device)
-        everyone = [torch.empty_like(mine) for _ in range(self.world_size)]
-        dist.all_gather(everyone, mine, group=self._group)
-        counts = [int(t.item()) for t in everyone]
+        counts = [row[0] for row in self._all_gather_row([self.num_rounds])]
         if len(set(counts)) > 1:
             self._failed = RuntimeError("round count mismatch")
             raise RuntimeError(
