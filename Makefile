@@ -7,7 +7,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: venv test demo study clean
+.PHONY: venv test demo study bench clean
 
 $(VENV)/.ready: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,15 @@ demo: $(VENV)/.ready
 ## The convergence study of docs/convergence.md (about 100 minutes on 2 cores).
 study: $(VENV)/.ready
 	$(PY) examples/gpt/study.py --out runs/study --steps 600 --eval-every 50
+
+## The benchmarks of docs/benchmarks.md (root: network namespaces and tc; about 50 minutes on 2 cores).
+bench: $(VENV)/.ready
+	$(PY) benchmarks/overlap.py --rates 500,250,125,83,62 --methods compute,acco,acco:ring0,dpu,sync,ddp-zero \
+		--out runs/bench/overlap.jsonl
+	$(PY) benchmarks/hetero.py --rates 125 --out runs/bench/hetero.jsonl
+	$(PY) benchmarks/memory.py --out runs/bench/memory.jsonl
+	$(PY) benchmarks/report.py runs/bench/overlap.jsonl runs/bench/hetero.jsonl runs/bench/memory.jsonl \
+		--plot docs/benchmarks_overlap.png
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -83,3 +83,19 @@ def test_cuda_nccl_one_rank_bf16():
             assert torch.equal(flat(model), master.to(torch.bfloat16).to(torch.float64))
         finally:
             dist.destroy_process_group()
+
+
+def test_cuda_round_stats_from_events():
+    """Check that on CUDA round timings come from events: readable once the device is idle, consistent."""
+    model = make_model().cuda()
+    opt = AccoOptimizer(model.parameters(), mode="acco", max_microbatches=1, **KW)
+    for i in range(6):
+        _loss(model, i).backward()
+        opt.step()
+    opt.finish()
+    torch.cuda.synchronize()
+    stats = opt.round_stats()
+    assert len(stats) == 6
+    for r in stats:
+        assert r["round_s"] is not None and r["round_s"] > 0 and r["wait_s"] >= 0 and r["compute_s"] >= 0
+        assert r["rank_microbatches"] == [r["local_microbatches"]]

@@ -29,16 +29,17 @@ def _overlap_worker(rank: int, world: int, mode: str) -> list:
 
     orig_rs, orig_ag = rounds.reduce_scatter_flat, rounds.all_gather_flat
 
-    def held_reduce_scatter(out, flat, group):
+    def held_reduce_scatter(out, flat, group, algorithm="native"):
         if not in_backward.wait(timeout=HOLD):
             raise RuntimeError("the round never ran during a backward: no overlap")
         note("reduce_scatter_start")
-        orig_rs(out, flat, group)
+        orig_rs(out, flat, group, algorithm)
         note("reduce_scatter_end")
 
-    def logged_all_gather(flat, shard, group):
-        orig_ag(flat, shard, group)
-        note("all_gather_end")
+    def logged_all_gather(flat, shard, group, algorithm="native"):
+        orig_ag(flat, shard, group, algorithm)
+        if shard.numel() > 1:  # the weights, not the one-element micro-batch count
+            note("all_gather_end")
 
     rounds.reduce_scatter_flat, rounds.all_gather_flat = held_reduce_scatter, logged_all_gather
     model = make_model()

@@ -12,6 +12,7 @@ import datetime
 import hashlib
 import logging
 import weakref
+from collections import deque
 from functools import partial
 from typing import Any, Callable, Dict, List, Optional
 
@@ -20,10 +21,11 @@ import torch.distributed as dist
 
 from . import _validation as V
 from . import checkpoint as _checkpoint
-from .collectives import group_rank, group_size
+from .collectives import group_rank, group_size, ring_algorithm
 from .layout import FlatLayout
 from .rounds import OptimizerSnapshot, RoundKind, RoundResult, ShardBuffers, round_kind, run_round
 from .scheduler import StreamScheduler
+from .stats import RoundRecord, summarize
 
 __all__ = ["AccoOptimizer"]
 
@@ -68,7 +70,12 @@ class AccoOptimizer(torch.optim.Optimizer):
         timeout: how long a round's collectives wait for a peer before
             raising (default: the process group default).
         **optimizer_kwargs: passed to ``optimizer_class`` (``lr=...``).
+
+    Whether communication is hidden: :meth:`round_stats`, :meth:`overlap_summary`;
+    memory: :meth:`memory_report`.
     """
+
+    HISTORY_LIMIT = 100_000  # rounds kept for round_stats()
 
     def __init__(
         self,
@@ -154,7 +161,9 @@ class AccoOptimizer(torch.optim.Optimizer):
             master=master,
             grad=torch.zeros_like(master),
             count=torch.zeros(1, dtype=master_dtype, device=device),
+            rank_counts=torch.zeros(self.world_size, dtype=master_dtype, device=device),
             staging=None if cd == master_dtype else torch.zeros(self.layout.shard_size, dtype=cd, device=device),
+            collectives=ring_algorithm(self._round_group),
         )
 
         # The wrapped optimizer: one piece (view of the master slice) per parameter.
@@ -199,7 +208,7 @@ class AccoOptimizer(torch.optim.Optimizer):
         self._at_boundary = True  # no micro-batch since the last committed hand-off
         self.num_skipped_updates = 0
         self._last_grad_norm: Optional[torch.Tensor] = None
-        self._history: List[tuple] = []  # (kind, local micro-batches, total over ranks as a device tensor)
+        self._history: "deque[RoundRecord]" = deque(maxlen=self.HISTORY_LIMIT)
         self._committed_mb = torch.zeros((), dtype=torch.float64, device=device)
         # A weak reference: parameters must not keep the optimizer (and its process
         # group) alive in a cycle that only the garbage collector, maybe at exit, breaks.
@@ -323,12 +332,16 @@ class AccoOptimizer(torch.optim.Optimizer):
             self._failed = exc
             raise
         total = result.total_microbatches.clone()  # compute side, ordered after the round: no host sync
+        per_rank = result.rank_microbatches.clone()
         if result.kind is RoundKind.COMMIT:
             self.num_updates += 1
             self._committed_mb += total[0]
             self.num_skipped_updates += int(result.skipped)
         self._last_grad_norm = result.grad_norm
-        self._history.append((result.kind.value, result.local_microbatches, total))
+        index = self._history[-1].index + 1 if self._history else 0
+        self._history.append(
+            RoundRecord(index, result.kind.value, result.local_microbatches, total, per_rank, self.scheduler.last_timing)
+        )
         self._pending = result.kind
         return result
 
@@ -481,10 +494,58 @@ class AccoOptimizer(torch.optim.Optimizer):
 
     def microbatch_history(self) -> List[Dict[str, Any]]:
         """Per collected round: kind, this rank's and all ranks' micro-batch counts (reads the device)."""
-        return [
-            {"kind": kind, "local_microbatches": local, "total_microbatches": int(total.item())}
-            for kind, local, total in self._history
-        ]
+        keys = ("kind", "local_microbatches", "total_microbatches", "rank_microbatches")
+        return [{k: r[k] for k in keys} for r in self.round_stats()]
+
+    def round_stats(self, last: Optional[int] = None) -> List[Dict[str, Any]]:
+        """Per collected round (the last ``last``, at most ``HISTORY_LIMIT``): whether communication was hidden.
+
+        Each entry: ``round`` (index), ``kind``, ``local_microbatches``,
+        ``total_microbatches``, ``rank_microbatches`` (every rank's count),
+        ``compute_s`` (compute-side time while the round was in flight),
+        ``round_s`` (the round itself) and ``wait_s`` (how long the compute side
+        then waited for it). See :mod:`acco.stats`. Recording costs no device
+        synchronisation; this call reads the device (CUDA: timings of rounds
+        whose events are still pending are ``None``). Local: no collective.
+        """
+        records = list(self._history)
+        if last is not None:
+            records = records[-last:] if last > 0 else []
+        return [r.as_dict() for r in records]
+
+    def overlap_summary(self, last: Optional[int] = None) -> Dict[str, Any]:
+        """Means of :meth:`round_stats` and ``hidden``, the share of round time the compute side
+        did not wait for (1.0: fully hidden; sync: 0.0). Local: no collective."""
+        return summarize(self.round_stats(last))
+
+    def memory_report(self) -> Dict[str, int]:
+        """Bytes this rank holds, by buffer: the model's parameters and the library's own buffers.
+
+        Compare with the table in ``algorithm.md``: ``params``, ``grads`` (what
+        backward writes), ``accum`` and ``comm`` are full-size in the compute
+        dtype; ``master``, ``master_grad``, ``staging``, ``optimizer_state``
+        and ``estimate_scratch`` are this rank's 1/N slice. Local: no collective.
+        """
+
+        def nbytes(tensors) -> int:
+            return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
+
+        b = self._buffers
+        state = [v for st in self.local_optimizer.state.values() for v in st.values()]
+        scratch = [] if self._snapshot is None else self._snapshot.tensors()
+        report = {
+            "params": nbytes(self._params),
+            "grads": nbytes([self._grads]),
+            "accum": nbytes([self._accum]),
+            "comm": nbytes([self._comm]),
+            "master": nbytes([b.master]),
+            "master_grad": nbytes([b.grad]),
+            "staging": nbytes([b.staging]),
+            "optimizer_state": nbytes(state),
+            "estimate_scratch": nbytes(scratch),
+        }
+        report["library_total"] = sum(v for k, v in report.items() if k != "params")
+        return report
 
     # ------------------------------------------------------------------ checkpoints
 

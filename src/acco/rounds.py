@@ -60,14 +60,17 @@ class ShardBuffers:
     parameters and their ``.grad`` are views into them.
     ``staging``: a compute-dtype slice, used only when compute and master
     dtypes differ (receives the reduce-scatter, sends the all-gather).
-    ``count``: one element on the device, the micro-batch count.
+    ``count``: one element on the device, the micro-batch count over all ranks.
+    ``rank_counts``: one element per rank, each rank's micro-batch count.
     """
 
     comm: torch.Tensor
     master: torch.Tensor
     grad: torch.Tensor
     count: torch.Tensor
+    rank_counts: torch.Tensor
     staging: Optional[torch.Tensor] = None
+    collectives: str = "native"  # or "ring": the reduce-scatter and all-gather (collectives.ring_algorithm)
 
 
 class OptimizerSnapshot:
@@ -106,6 +109,11 @@ class OptimizerSnapshot:
                 else:
                     saved[key] = copy.deepcopy(value)
 
+    def tensors(self) -> List[torch.Tensor]:
+        """The scratch tensors held (for memory accounting)."""
+        out = [] if self._master is None else [self._master]
+        return out + [v for st in self._state.values() for v in st.values() if torch.is_tensor(v)]
+
     def restore(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], master: torch.Tensor) -> None:
         assert self._master is not None, "restore() without save()"
         master.copy_(self._master)
@@ -129,6 +137,7 @@ class RoundResult:
     kind: RoundKind
     local_microbatches: int
     total_microbatches: torch.Tensor  # on the device
+    rank_microbatches: torch.Tensor  # on the device, one per rank
     grad_norm: torch.Tensor  # global L2 norm of the averaged gradient, before clipping
     skipped: bool = False  # non-finite gradient: no update was applied
 
@@ -139,7 +148,8 @@ class NonFiniteGradientError(FloatingPointError):
 
 def global_grad_norm(grad_shard: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
     """L2 norm of the full averaged gradient from this rank's slice. Collective."""
-    sq = grad_shard.double().pow(2).sum().reshape(1)
+    # fp32 norm of the slice (no full-size temporary), squared in fp64 so the sum over slices is exact enough
+    sq = torch.linalg.vector_norm(grad_shard).double().pow(2).reshape(1)
     all_reduce_sum(sq, group)  # sum of squares over all slices
     return sq.sqrt()[0]
 
@@ -178,11 +188,12 @@ def run_round(
     """
     b = buffers
     b.count.fill_(float(local_microbatches))
-    all_reduce_sum(b.count, group)  # total micro-batches over all ranks
+    all_gather_flat(b.rank_counts, b.count, group)  # every rank's micro-batch count
+    torch.sum(b.rank_counts, dim=0, keepdim=True, out=b.count)
     if b.staging is None:
-        reduce_scatter_flat(b.grad, b.comm, group)  # this rank's slice of the gradient sum
+        reduce_scatter_flat(b.grad, b.comm, group, b.collectives)  # this rank's slice of the gradient sum
     else:
-        reduce_scatter_flat(b.staging, b.comm, group)
+        reduce_scatter_flat(b.staging, b.comm, group, b.collectives)
         b.grad.copy_(b.staging)
     b.grad.div_(b.count)  # the mean over all micro-batches of all ranks
     norm = global_grad_norm(b.grad, group)
@@ -205,10 +216,10 @@ def run_round(
     if not skipped:
         optimizer.step()
     if b.staging is None:
-        all_gather_flat(b.comm, b.master, group)  # every rank's new slice -> full weights
+        all_gather_flat(b.comm, b.master, group, b.collectives)  # every rank's new slice -> full weights
     else:
         b.staging.copy_(b.master)
-        all_gather_flat(b.comm, b.staging, group)
+        all_gather_flat(b.comm, b.staging, group, b.collectives)
     if stepping:
         snapshot.restore(optimizer, params, b.master)  # Opt*: leave theta and state untouched
-    return RoundResult(kind, local_microbatches, b.count, norm, skipped)
+    return RoundResult(kind, local_microbatches, b.count, b.rank_counts, norm, skipped)

@@ -22,6 +22,8 @@ from typing import Callable, Optional, Sequence, TypeVar
 
 import torch
 
+from .stats import CudaTiming, HostTiming
+
 __all__ = ["StreamScheduler"]
 
 T = TypeVar("T")
@@ -72,14 +74,17 @@ class StreamScheduler:
     side (the hand-off), ``done()`` asks without blocking whether it finished,
     ``wait()`` orders the compute side after it (CPU: blocks the calling
     thread; CUDA: makes the current stream wait, no host sync) and returns
-    ``fn``'s result, re-raising its exception.
+    ``fn``'s result, re-raising its exception. After ``wait()``,
+    ``last_timing`` holds that round's :class:`~acco.stats.HostTiming` (CPU) or
+    :class:`~acco.stats.CudaTiming` (CUDA events, read lazily).
     """
 
     def __init__(self, device: torch.device) -> None:
         self.device = torch.device(device)
         self._cuda = self.device.type == "cuda"
         self._pending: Optional[concurrent.futures.Future] = None
-        self._result = None
+        self._timing = None
+        self.last_timing = None
         if self._cuda:
             self._stream = torch.cuda.Stream(device=self.device)
             self._done_event: Optional[torch.cuda.Event] = None
@@ -97,20 +102,34 @@ class StreamScheduler:
         if self._pending is not None:
             raise RuntimeError("StreamScheduler runs one round at a time: wait() for the previous one first")
         if self._cuda:
-            handoff = torch.cuda.Event()
-            handoff.record()  # compute stream: the gradient hand-off and the parameter copy are issued
-            done = torch.cuda.Event()
-            self._done_event = done
-            fn = partial(self._on_side_stream, fn, handoff, done)
+            timing = CudaTiming(submit=torch.cuda.Event(enable_timing=True), end=torch.cuda.Event(enable_timing=True))
+            timing.submit.record()  # compute stream: the gradient hand-off and the parameter copy are issued
+            self._done_event = timing.end
+            fn = partial(self._on_side_stream, fn, timing)
+        else:
+            timing = HostTiming(submit=HostTiming.now())
+            fn = partial(self._timed, fn, timing)
+        self._timing = timing
         self._pending = self._worker.submit(fn)
 
-    def _on_side_stream(self, fn: Callable[[], T], handoff: "torch.cuda.Event", done: "torch.cuda.Event") -> T:
+    @staticmethod
+    def _timed(fn: Callable[[], T], timing: HostTiming) -> T:
+        """Worker thread, CPU: run the round between two clock reads."""
+        timing.start = HostTiming.now()
+        try:
+            return fn()
+        finally:
+            timing.end = HostTiming.now()
+
+    def _on_side_stream(self, fn: Callable[[], T], timing: CudaTiming) -> T:
         """Worker thread, CUDA: issue the round on the side stream between two events."""
         torch.cuda.set_device(self.device)
-        self._stream.wait_event(handoff)  # side stream: start only after the hand-off on the compute stream
+        self._stream.wait_event(timing.submit)  # side stream: start only after the hand-off on the compute stream
+        timing.start = torch.cuda.Event(enable_timing=True)
+        timing.start.record(self._stream)  # side stream: the round begins (for round_s only)
         with torch.cuda.stream(self._stream):
             result = fn()
-        done.record(self._stream)  # side stream: the round's weights are in the comm buffer
+        timing.end.record(self._stream)  # side stream: the round's weights are in the comm buffer
         return result
 
     def done(self) -> bool:
@@ -126,10 +145,23 @@ class StreamScheduler:
         if self._pending is None:
             return None
         fut, self._pending = self._pending, None
-        result = fut.result()  # blocks until the worker has run (CPU) or issued (CUDA) the round; re-raises
+        timing, self._timing = self._timing, None
         if self._cuda:
-            torch.cuda.current_stream(self.device).wait_event(self._done_event)  # compute waits for the round's weights
+            result = fut.result()  # blocks until the worker has issued the round (not run it); re-raises
+            stream = torch.cuda.current_stream(self.device)
+            timing.wait_begin = torch.cuda.Event(enable_timing=True)
+            timing.wait_begin.record(stream)  # compute stream: what it had to do before needing the round
+            stream.wait_event(self._done_event)  # compute waits for the round's weights
+            timing.wait_end = torch.cuda.Event(enable_timing=True)
+            timing.wait_end.record(stream)  # compute stream: resumes after the round (for wait_s only)
             self._done_event = None
+        else:
+            timing.wait_begin = HostTiming.now()
+            try:
+                result = fut.result()  # blocks until the worker has run the round; re-raises
+            finally:
+                timing.wait_end = HostTiming.now()
+        self.last_timing = timing
         return result
 
     def install(self, params: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> None:

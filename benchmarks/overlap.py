@@ -1,0 +1,99 @@
+"""Overlap sweep: tokens/s and utilisation of acco, dpu, sync and torch DDP+ZeRO
+as the network gets slower, on the netns testbed (``netns.py``).
+
+    sudo .venv/bin/python benchmarks/overlap.py --rates 400,200,100,67,50 --out runs/bench/overlap.jsonl
+    .venv/bin/python benchmarks/report.py runs/bench/overlap.jsonl      # table + plot
+
+For every rate (Mbit/s per rank and direction) the same ranks run each method
+in turn, compute-only first: utilisation = tokens/s / compute-only tokens/s at
+that point. The testbed is built for the run and torn down after it. Needs root
+(namespaces, tc); ``--loopback`` runs everything on 127.0.0.1 instead (no rate
+limit, no root: what the CI smoke test does).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _launch  # noqa: E402
+import netns  # noqa: E402
+
+DEFAULT_METHODS = "compute,acco,dpu,sync,ddp-zero"
+SMOKE = ["--d-model", "64", "--layers", "2", "--seq-len", "32", "--micro-batch", "2", "--updates", "2", "--warmup", "1"]
+
+
+def parse_args(argv=None, **defaults):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--rates", default="400,200,100,67,50", help="Mbit/s, comma-separated")
+    p.add_argument("--methods", default=DEFAULT_METHODS,
+                   help="worker.py methods; 'acco:ring0' runs acco with ACCO_RING=0 (gloo's own collectives)")
+    p.add_argument("--ranks", type=int, default=2)
+    p.add_argument("--micro-batch", type=int, default=24)
+    p.add_argument("--updates", type=int, default=6)
+    p.add_argument("--warmup", type=int, default=2)
+    p.add_argument("--slow-rank", type=int, default=-1)
+    p.add_argument("--slow-factor", type=float, default=2.0)
+    p.add_argument("--loopback", action="store_true", help="no namespaces, no rate limit (no root needed)")
+    p.add_argument("--smoke", action="store_true", help="a tiny model and 2 updates: checks the script runs")
+    p.add_argument("--tag", default="overlap")
+    p.add_argument("--out", type=Path, default=Path("runs/bench/overlap.jsonl"))
+    p.add_argument("--timeout", type=float, default=900.0, help="seconds per run")
+    p.set_defaults(**defaults)
+    return p.parse_args(argv)
+
+
+def worker_args(args, method: str):
+    base = SMOKE if args.smoke else ["--micro-batch", str(args.micro_batch), "--updates", str(args.updates),
+                                     "--warmup", str(args.warmup)]
+    return ["--method", method, *base, "--slow-rank", str(args.slow_rank), "--slow-factor", str(args.slow_factor)]
+
+
+def run_point(args, rate) -> list:
+    records = []
+    for spec in args.methods.split(","):
+        method, _, variant = spec.partition(":")
+        env = {"ACCO_RING": "0"} if variant == "ring0" else {}
+        t0 = time.time()
+        rec = _launch.run_worker(worker_args(args, method), args.ranks, args.loopback, env, args.timeout)
+        rec.update(tag=args.tag, rate_mbit=rate, label=spec, wall_s=time.time() - t0)
+        records.append(rec)
+        s = rec.get("summary") or {}
+        extra = f"  round {s['round_s'] * 1e3:.0f} ms  hidden {s['hidden']:.2f}" if s.get("rounds") else ""
+        print(f"rate {rate} Mbit/s  {spec:10s} {rec['tokens_per_s']:9.0f} tokens/s{extra}", flush=True)
+    base = next((r["tokens_per_s"] for r in records if r["method"] == "compute"), None)
+    for r in records:
+        r["utilisation"] = r["tokens_per_s"] / base if base else None
+    return records
+
+
+def main(argv=None, **defaults) -> None:
+    args = parse_args(argv, **defaults)
+    if not args.loopback and os.geteuid() != 0:
+        sys.exit(f"{Path(sys.argv[0]).name} builds a network namespace per rank and rate-limits it with tc: "
+                 "run it as root, or pass --loopback (no rate limit) to run without root.")
+    rates = [None] if args.loopback else [float(x) for x in args.rates.split(",")]
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    if not args.loopback:
+        netns.up(args.ranks, rates[0])
+    try:
+        with args.out.open("a") as f:
+            for rate in rates:
+                if rate is not None:
+                    netns.set_rate(rate, args.ranks)
+                for rec in run_point(args, rate):
+                    f.write(json.dumps(rec) + "\n")
+                    f.flush()
+    finally:
+        if not args.loopback:
+            netns.down()
+
+
+if __name__ == "__main__":
+    main()

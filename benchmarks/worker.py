@@ -1,0 +1,217 @@
+"""One benchmark run: one method, one rank per process, timed updates.
+
+Launched by ``overlap.py`` / ``hetero.py`` / ``memory.py`` through torchrun, one
+rank per network namespace (or on loopback)::
+
+    torchrun --standalone --nproc-per-node 2 benchmarks/worker.py --method acco --out r.json
+
+Methods, all with AdamW on the same GPT (``examples/gpt/model.py``), random
+tokens, and one *update* = two micro-batches per rank:
+
+* ``acco``      AccoOptimizer(mode="acco", min=max_microbatches=1): two rounds per
+                update, each overlapped with one micro-batch.
+* ``acco-acc``  the same, accumulating while a round is in flight (no bound).
+* ``dpu``       AccoOptimizer(mode="dpu", min=max_microbatches=1).
+* ``sync``      AccoOptimizer(mode="sync", min_microbatches=2): ZeRO-1, one round
+                per update after both micro-batches.
+* ``ddp-zero``  torch DDP + ZeroRedundancyOptimizer: the first micro-batch under
+                ``no_sync()``, the second all-reduces in its backward, then the step.
+* ``compute``   no communication: the two micro-batches and an AdamW step on a
+                1/N-sized slice (what every method computes), the denominator
+                of the utilisation.
+
+Rank 0 writes a JSON record: tokens/s over the timed updates (tokens of
+committed updates only; the window runs from one hand-off to the hand-off of
+the last timed update, so the in-flight round is always one, as in a long run), per-round statistics of the library's methods
+(``AccoOptimizer.overlap_summary``), peak RSS and the library's buffer bytes.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "examples" / "gpt"))
+
+from model import GPT, GPTConfig  # noqa: E402
+
+import acco  # noqa: E402
+from acco import AccoOptimizer  # noqa: E402
+from acco.stats import summarize  # noqa: E402
+
+METHODS = ["acco", "acco-acc", "dpu", "sync", "ddp-zero", "compute"]
+
+
+def parse_args(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--method", choices=METHODS, required=True)
+    p.add_argument("--d-model", type=int, default=256)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--seq-len", type=int, default=128)
+    p.add_argument("--micro-batch", type=int, default=8, help="sequences per micro-batch (half a mini-batch)")
+    p.add_argument("--warmup", type=int, default=3, help="updates before timing starts")
+    p.add_argument("--updates", type=int, default=10, help="timed updates")
+    p.add_argument("--slow-rank", type=int, default=-1)
+    p.add_argument("--slow-factor", type=float, default=2.0, help="the slow rank sleeps (factor-1) x its compute")
+    p.add_argument("--out", type=Path, default=None, help="rank 0 writes its JSON record here")
+    return p.parse_args(argv)
+
+
+def build(args, world: int):
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=256, seq_len=args.seq_len, d_model=args.d_model, n_layers=args.layers,
+                    n_heads=max(1, args.d_model // 64), local_window=args.seq_len // 2)
+    return GPT(cfg)
+
+
+class Runner:
+    """One method behind ``micro_batch(x, y)``, ``updates_started`` and ``finish()``."""
+
+    def __init__(self, model, args, rank: int, world: int):
+        self.args, self.model, self.world, self.method = args, model, world, args.method
+        self.net, self.opt, self.done_updates, self.mb = model, None, 0, 0
+        kw = dict(lr=1e-4, weight_decay=0.1)
+        m = args.method
+        if m in ("acco", "acco-acc", "dpu", "sync"):
+            mode = "acco" if m.startswith("acco") else m
+            lo, hi = (2, 2) if m == "sync" else (1, 1)
+            self.opt = AccoOptimizer(model.parameters(), mode=mode, min_microbatches=lo,
+                                     max_microbatches=None if m == "acco-acc" else hi, **kw)
+        elif m == "ddp-zero":
+            from torch.distributed.optim import ZeroRedundancyOptimizer
+            from torch.nn.parallel import DistributedDataParallel as DDP
+
+            self.net = DDP(model)
+            self.opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, **kw)
+        else:  # compute only: the sharded step's cost, no communication
+            numel = sum(p.numel() for p in model.parameters())
+            self.shard = torch.zeros((numel + world - 1) // world, requires_grad=True)
+            self.shard.grad = torch.randn_like(self.shard)
+            self.opt = torch.optim.AdamW([self.shard], **kw)
+
+    @property
+    def library(self) -> bool:
+        return isinstance(self.opt, AccoOptimizer)
+
+    @property
+    def updates_started(self) -> int:
+        return self.opt.next_update_index if self.library else self.done_updates
+
+    def micro_batch(self, x, y) -> None:
+        last = self.mb % 2 == 1
+        if self.method == "ddp-zero" and not last:
+            with self.net.no_sync():  # the first half accumulates locally
+                self._backward(x, y)
+        else:
+            self._backward(x, y)
+        if self.library:
+            self.opt.step()
+            self.opt.zero_grad()
+        elif last:
+            self.opt.step()
+            if self.method == "ddp-zero":
+                self.opt.zero_grad()
+            self.done_updates += 1
+        self.mb += 1
+
+    def _backward(self, x, y) -> None:
+        logits = self.net(x)
+        F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)).backward()
+
+    def committed_microbatches(self) -> int:
+        """All ranks' micro-batches in the updates done so far (the non-library methods)."""
+        return self.done_updates * 2 * self.world
+
+    def finish(self) -> None:
+        if self.library:
+            self.opt.finish()
+
+
+def ddp_zero_memory(runner: Runner) -> dict:
+    """Bytes this rank holds for DDP + ZeroRedundancyOptimizer, by buffer (as far as torch exposes them)."""
+
+    def nbytes(tensors) -> int:
+        return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
+
+    params = list(runner.model.parameters())
+    state = [v for st in runner.opt.optim.state.values() for v in st.values()]
+    buckets = runner.net._get_ddp_logging_data().get("bucket_sizes", "")
+    report = {"params": nbytes(params), "grads": nbytes([p.grad for p in params]), "optimizer_state": nbytes(state)}
+    # DDP's reducer buckets: bucket_sizes are in bytes, e.g. "26214400, 1048576"
+    report["ddp_buckets"] = sum(int(x) for x in str(buckets).replace(",", " ").split()) if buckets else None
+    return report
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
+    acco.init_process_group()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = build(args, world)
+    numel = sum(p.numel() for p in model.parameters())
+    runner = Runner(model, args, rank, world)
+    g = torch.Generator().manual_seed(1234 + rank)
+    data = [torch.randint(0, 256, (args.micro_batch, args.seq_len + 1), generator=g) for _ in range(4)]
+    total = args.warmup + args.updates
+    t0 = start_mb = start_rounds = None
+    compute_s = []
+    while runner.updates_started < total:
+        if t0 is None and runner.updates_started >= args.warmup:
+            dist.barrier()  # the user's group, not the rounds': align the ranks before timing
+            t0, start_mb = time.perf_counter(), 0 if runner.library else runner.committed_microbatches()
+            start_rounds = runner.opt.num_rounds if runner.library else 0
+        batch = data[runner.mb % len(data)]
+        tc = time.perf_counter()
+        runner.micro_batch(batch[:, :-1], batch[:, 1:])
+        if rank == args.slow_rank:
+            time.sleep((args.slow_factor - 1.0) * (time.perf_counter() - tc))  # a slower device
+        if t0 is not None:
+            compute_s.append(time.perf_counter() - tc)
+    # Steady state: the window ends at the hand-off of the last timed update, as it began at a
+    # hand-off; the final round's drain in finish() happens once per run, not once per update.
+    elapsed = time.perf_counter() - t0
+    runner.finish()
+    if runner.library:  # micro-batches of the commits handed off after t0 (all ranks)
+        rounds = [r for r in runner.opt.round_stats() if r["round"] >= start_rounds]
+        mb = sum(r["total_microbatches"] for r in rounds if r["kind"] == "commit")
+    else:
+        mb = runner.committed_microbatches() - start_mb
+    record = {
+        "method": args.method, "world": world, "params": numel, "micro_batch": args.micro_batch,
+        "seq_len": args.seq_len, "updates": args.updates, "elapsed_s": elapsed,
+        "tokens_per_s": mb * args.micro_batch * args.seq_len / elapsed,
+        "microbatches": mb, "slow_rank": args.slow_rank, "slow_factor": args.slow_factor,
+        "acco_ring": os.environ.get("ACCO_RING", "default"),
+        "step_call_s": sum(compute_s) / max(1, len(compute_s)),
+    }
+    if runner.method == "ddp-zero":
+        record["memory"] = ddp_zero_memory(runner)
+    if runner.library:
+        record["rounds"] = rounds
+        record["summary"] = summarize(rounds)
+        record["memory"] = runner.opt.memory_report()
+    maxrss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024], dtype=torch.float64)
+    rss = [torch.zeros_like(maxrss) for _ in range(world)]
+    dist.all_gather(rss, maxrss)
+    record["peak_rss_bytes"] = [int(t.item()) for t in rss]
+    if rank == 0 and args.out is not None:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(record))
+    del runner, model, rss, maxrss
+    gc.collect()  # free gloo's tensors before the group goes (an abort at exit otherwise)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

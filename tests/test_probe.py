@@ -1,0 +1,81 @@
+"""acco.probe: the update-time model (pure) and the command on 1 and 2 gloo ranks."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+
+from _dist import run_command
+
+from acco.probe import parse_count, predict
+
+
+def test_parse_count():
+    """Check size suffixes and that bad sizes are refused with the value received."""
+    assert parse_count("350M") == 350_000_000 and parse_count("1.3B") == 1_300_000_000
+    assert parse_count("50000") == 50_000 and parse_count("2k") == 2_000
+    for bad in ("", "-5", "0", "12 parsecs"):
+        with pytest.raises(ValueError, match=repr(bad)):
+            parse_count(bad)
+
+
+@pytest.mark.parametrize(
+    "compute,round_,k,sync,acco",
+    [
+        (1.0, 0.5, 1, 2.5, 2.0),  # round fits in half: acco = compute
+        (1.0, 1.0, 1, 3.0, 2.0),  # round = half: still hidden
+        (1.0, 2.0, 1, 4.0, 4.0),  # round = 2 halves: acco bound by 2 rounds
+        (1.0, 2.0, 2, 6.0, 4.0),  # two micro-batches per half hide it again
+    ],
+)
+def test_predict_is_the_documented_model(compute, round_, k, sync, acco):
+    """Check sync = 2kT + R and acco = max(2kT, 2R) per update."""
+    p = predict(compute, round_, k)
+    assert p.sync_update_s == pytest.approx(sync) and p.acco_update_s == pytest.approx(acco)
+    assert p.speedup == pytest.approx(sync / acco)
+
+
+def test_predict_recommendations():
+    """Check the advice: negligible communication, hidden, and how many micro-batches hide a long round."""
+    assert "within 5%" in predict(1.0, 0.05).recommendation
+    assert "hides each round" in predict(1.0, 0.8).recommendation and predict(1.0, 0.8).hidden == 1.0
+    slow = predict(1.0, 2.5)
+    assert slow.recommended_microbatches_per_half == 3 and "min_microbatches=3" in slow.recommendation
+    assert slow.hidden == pytest.approx(0.4)
+    with pytest.raises(ValueError, match="compute_s > 0"):
+        predict(0.0, 1.0)
+
+
+def _probe(*args: str, ranks: int) -> dict:
+    if ranks == 1:
+        cmd = [sys.executable, "-m", "acco.probe", *args, "--json"]
+    else:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
+               "-m", "acco.probe", *args, "--json"]
+    out = run_command(cmd, timeout=120)
+    line = next(line for line in out.splitlines() if line.startswith("{"))
+    return json.loads(line)
+
+
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_probe_command_measures_rounds(ranks):
+    """Check that the probe times real rounds and applies the model to them."""
+    r = _probe("--params", "200k", "--compute-seconds", "0.05", "--rounds", "3", ranks=ranks)
+    assert r["ranks"] == ranks and r["params"] == 200_000 and r["compute_source"] == "given"
+    assert r["round_s"] > 0
+    assert r["sync_update_s"] == pytest.approx(0.1 + r["round_s"])
+    assert r["acco_update_s"] == pytest.approx(max(0.1, 2 * r["round_s"]))
+
+
+def test_probe_estimates_compute_from_tokens():
+    """Check the estimate path: 6 x params x tokens over measured matmul FLOP/s."""
+    r = _probe("--params", "100k", "--tokens", "4k", "--rounds", "2", ranks=1)
+    assert r["compute_source"].startswith("estimated") and r["compute_half_s"] > 0
+
+
+def test_probe_refuses_missing_compute():
+    """Check that without --compute-seconds or --tokens the probe says what to give."""
+    with pytest.raises(AssertionError, match="give --compute-seconds"):
+        run_command([sys.executable, "-m", "acco.probe", "--params", "1M"], timeout=60)
