@@ -48,7 +48,7 @@ from model import GPT, GPTConfig  # noqa: E402
 
 import acco  # noqa: E402
 from acco import AccoOptimizer  # noqa: E402
-from acco.stats import summarize  # noqa: E402
+from acco.stats import nbytes, summarize  # noqa: E402
 
 METHODS = ["acco", "acco-acc", "dpu", "sync", "ddp-zero", "compute"]
 
@@ -140,10 +140,6 @@ class Runner:
 
 def ddp_zero_memory(runner: Runner) -> dict:
     """Bytes this rank holds for DDP + ZeroRedundancyOptimizer, by buffer (as far as torch exposes them)."""
-
-    def nbytes(tensors) -> int:
-        return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
-
     params = list(runner.model.parameters())
     state = [v for st in runner.opt.optim.state.values() for v in st.values()]
     buckets = runner.net._get_ddp_logging_data().get("bucket_sizes", "")

@@ -25,7 +25,7 @@ from .collectives import group_rank, group_size, ring_algorithm
 from .layout import FlatLayout
 from .rounds import OptimizerSnapshot, RoundKind, RoundResult, ShardBuffers, round_kind, run_round
 from .scheduler import StreamScheduler
-from .stats import RoundRecord, summarize
+from .stats import RoundRecord, nbytes, summarize
 
 __all__ = ["AccoOptimizer"]
 
@@ -526,10 +526,6 @@ class AccoOptimizer(torch.optim.Optimizer):
         dtype; ``master``, ``master_grad``, ``staging``, ``optimizer_state``
         and ``estimate_scratch`` are this rank's 1/N slice. Local: no collective.
         """
-
-        def nbytes(tensors) -> int:
-            return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
-
         b = self._buffers
         state = [v for st in self.local_optimizer.state.values() for v in st.values()]
         scratch = [] if self._snapshot is None else self._snapshot.tensors()

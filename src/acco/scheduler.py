@@ -87,7 +87,6 @@ class StreamScheduler:
         self.last_timing = None
         if self._cuda:
             self._stream = torch.cuda.Stream(device=self.device)
-            self._done_event: Optional[torch.cuda.Event] = None
         self._worker = _Worker()
         self._closed = False
 
@@ -104,7 +103,6 @@ class StreamScheduler:
         if self._cuda:
             timing = CudaTiming(submit=torch.cuda.Event(enable_timing=True), end=torch.cuda.Event(enable_timing=True))
             timing.submit.record()  # compute stream: the gradient hand-off and the parameter copy are issued
-            self._done_event = timing.end
             fn = partial(self._on_side_stream, fn, timing)
         else:
             timing = HostTiming(submit=HostTiming.now())
@@ -138,7 +136,7 @@ class StreamScheduler:
             return True
         if not self._pending.done():  # the worker is still issuing (CUDA) or running (CPU) the round
             return False
-        return not self._cuda or self._done_event.query()
+        return not self._cuda or self._timing.end.query()
 
     def wait(self):
         """Order the compute side after the in-flight round; return its result."""
@@ -151,10 +149,9 @@ class StreamScheduler:
             stream = torch.cuda.current_stream(self.device)
             timing.wait_begin = torch.cuda.Event(enable_timing=True)
             timing.wait_begin.record(stream)  # compute stream: what it had to do before needing the round
-            stream.wait_event(self._done_event)  # compute waits for the round's weights
+            stream.wait_event(timing.end)  # compute waits for the round's weights
             timing.wait_end = torch.cuda.Event(enable_timing=True)
             timing.wait_end.record(stream)  # compute stream: resumes after the round (for wait_s only)
-            self._done_event = None
         else:
             timing.wait_begin = HostTiming.now()
             try:

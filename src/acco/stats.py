@@ -22,7 +22,12 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-__all__ = ["CudaTiming", "HostTiming", "RoundRecord", "summarize", "summary_lines"]
+__all__ = ["CudaTiming", "HostTiming", "RoundRecord", "nbytes", "summarize", "summary_lines"]
+
+
+def nbytes(tensors: Iterable[Any]) -> int:
+    """Bytes held by the tensors among ``tensors`` (other items are ignored)."""
+    return sum(t.numel() * t.element_size() for t in tensors if torch.is_tensor(t))
 
 
 @dataclass
