@@ -119,10 +119,10 @@ def set_rate(rate_mbit: float, ranks: int, dry_run: bool = False) -> None:
     run(rate_commands(ranks, rate_mbit), dry_run)
 
 
-def down(dry_run: bool = False) -> None:
-    if not dry_run:
-        require_root()
-    run(down_commands(existing() if not dry_run else [BRIDGE_NS, rank_ns(0), rank_ns(1)]), dry_run)
+def down() -> None:
+    """Delete every ``acco-*`` namespace (and with it its links and qdiscs)."""
+    require_root()
+    run(down_commands(existing()))
 
 
 def main(argv=None) -> None:

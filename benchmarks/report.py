@@ -54,13 +54,11 @@ def overlap_table(records) -> str:
                  "sync": 2 * th / pred.sync_update_s, "compute": 1.0}
         for label, r in point.items():
             s = r.get("summary") or {}
-            m = model.get(label.split(":")[0] if ":" not in label else "")
+            m = model.get(label)  # variants such as acco:ring0 have no model column
+            rounds = f"{s['round_s'] * 1e3:.0f} | {s['hidden']:.2f}" if s.get("rounds") else "|"
             rows.append(
                 f"| {fmt_rate(rate)} | {th * 1e3:.0f} | {tr * 1e3:.0f} | {tr / th:.2f} | {label} | {r['tokens_per_s']:.0f} | "
-                f"{r['utilisation']:.3f} | {'' if m is None else f'{m:.3f}'} | "
-                f"{s['round_s'] * 1e3:.0f} | {s['hidden']:.2f} |" if s.get("rounds") else
-                f"| {fmt_rate(rate)} | {th * 1e3:.0f} | {tr * 1e3:.0f} | {tr / th:.2f} | {label} | {r['tokens_per_s']:.0f} | "
-                f"{r['utilisation']:.3f} | {'' if m is None else f'{m:.3f}'} | | |")
+                f"{r['utilisation']:.3f} | {'' if m is None else f'{m:.3f}'} | {rounds} |")
     return "\n".join(rows)
 
 
