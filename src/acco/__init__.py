@@ -4,10 +4,11 @@ ACCO ("Accumulate While You Communicate", Nabli et al., NeurIPS 2025,
 arXiv 2406.02613) as a drop-in ``torch.optim`` optimizer.
 """
 
+from .ddp import disable_gradient_allreduce
 from .launch import init_process_group
 from .optimizer import AccoOptimizer
 from .rounds import NonFiniteGradientError
 from .scheduler import StreamScheduler
 
-__all__ = ["AccoOptimizer", "NonFiniteGradientError", "StreamScheduler", "init_process_group"]
+__all__ = ["AccoOptimizer", "disable_gradient_allreduce", "NonFiniteGradientError", "StreamScheduler", "init_process_group"]
 __version__ = "0.1.0"

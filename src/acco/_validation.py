@@ -25,6 +25,50 @@ def check_mode(mode: Any) -> None:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
 
 
+ACCO_NEEDS_TWO = (
+    "mode='acco' splits each update's micro-batches into two halves (an estimate from the first, the update from "
+    "both), but got {m} backward() per step(). Run two (or more) micro-batches of half the size per step() "
+    "(gradient accumulation: backward() on each, then one step()), or use mode='dpu' or mode='sync'"
+)
+
+
+def check_handoffs(mode: str, per_update: Any, elastic: Any, min_microbatches: Any, max_microbatches: Any) -> None:
+    if per_update is not None:
+        if not isinstance(per_update, int) or isinstance(per_update, bool) or per_update < 1:
+            raise ValueError(f"microbatches_per_update must be None or an int >= 1, got {per_update!r}")
+        if mode == "acco" and per_update < 2:
+            raise ValueError(ACCO_NEEDS_TWO.format(m=per_update))
+    if not isinstance(elastic, bool):
+        raise TypeError(f"accumulate_while_communicating must be True or False, got {elastic!r}")
+    if elastic and per_update is not None:
+        raise ValueError(
+            "microbatches_per_update does not apply with accumulate_while_communicating=True (step() is then called "
+            "after every micro-batch and the library decides when to hand off); pass one or the other"
+        )
+    if not elastic and (min_microbatches != 1 or max_microbatches is not None):
+        raise ValueError(
+            f"min_microbatches={min_microbatches!r}/max_microbatches={max_microbatches!r} apply only with "
+            "accumulate_while_communicating=True (step() after every micro-batch). With one step() per update, "
+            "run the micro-batches you want per update (microbatches_per_update=...) and call step() once"
+        )
+    check_microbatches(min_microbatches, max_microbatches)
+
+
+def check_buffers(buffers: Any, device: torch.device) -> List[torch.Tensor]:
+    """The model buffers to keep equal across ranks (``buffers=``)."""
+    if buffers is None:
+        return []
+    if isinstance(buffers, torch.Tensor):
+        raise TypeError("buffers must be an iterable of tensors such as model.buffers(), got a single Tensor")
+    out = list(buffers)
+    for i, b in enumerate(out):
+        if not isinstance(b, torch.Tensor):
+            raise TypeError(f"buffers[{i}] is a {type(b).__name__}; pass model.buffers()")
+        if b.device != device:
+            raise ValueError(f"buffers[{i}] is on {b.device} but the parameters are on {device}: move the model first")
+    return out
+
+
 def check_microbatches(min_microbatches: Any, max_microbatches: Any) -> None:
     if not isinstance(min_microbatches, int) or isinstance(min_microbatches, bool) or min_microbatches < 1:
         raise ValueError(f"min_microbatches must be an int >= 1, got {min_microbatches!r}")

@@ -2,26 +2,43 @@
 
 This file only orchestrates: when to hand gradients to a round, which kind of
 round, when a finished round's weights go into the model. The layout lives in
-``layout.py``, the round's math in ``rounds.py``, where it runs in
-``scheduler.py``. The equations are those of ``algorithm.md`` (see the README).
+``layout.py``, where backward writes in ``grads.py``, the round's math in
+``rounds.py``, where it runs in ``scheduler.py``. The equations are those of
+``docs/algorithm.md``.
+
+Two ways to drive it:
+
+* **one ``step()`` per update** (the default, as with any torch optimizer):
+  ``backward()`` on the update's micro-batches, then ``step()``. In mode
+  ``acco`` the library hands off the estimate round itself, from an
+  end-of-backward callback, once the first half of the update's micro-batches
+  is done, and puts ``theta_t`` in the model for the second half.
+* **accumulate while communicating** (``accumulate_while_communicating=True``,
+  for loops written for it): ``step()`` after every micro-batch is a hand-off
+  *point*; a round is handed off only when the previous one has finished, so a
+  fast rank keeps accumulating instead of waiting.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import datetime
 import hashlib
 import logging
 import weakref
 from collections import deque
 from functools import partial
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist
 
 from . import _validation as V
 from . import checkpoint as _checkpoint
+from . import ddp as _ddp
 from .collectives import group_rank, group_size, ring_algorithm
+from .grads import GradBinding
 from .layout import FlatLayout
 from .rounds import OptimizerSnapshot, RoundKind, RoundResult, ShardBuffers, round_kind, run_round
 from .scheduler import StreamScheduler
@@ -35,14 +52,17 @@ log = logging.getLogger("acco")
 class AccoOptimizer(torch.optim.Optimizer):
     """ZeRO-1 sharded optimizer whose communication overlaps computation (ACCO).
 
-    Drop-in for ``torch.optim.AdamW`` in a loop of ``backward(); step();
-    zero_grad()``: each ``step()`` hands the gradients accumulated so far to a
-    communication round (reduce-scatter -> sharded step of ``optimizer_class``
-    -> all-gather) that runs in the background while the next micro-batch is
-    computed. In mode ``"acco"`` one mini-batch is two ``step()`` calls (two
-    halves): the first gives an estimate ``theta~``, the second the committed
-    update; ``"dpu"`` (delayed, uncompensated) and ``"sync"`` (plain ZeRO-1)
-    are the baselines.
+    Drop-in for ``torch.optim.AdamW``: ``backward()`` on each micro-batch of an
+    update, then one ``step()``, which is one optimizer update in every mode.
+    The gradients of all ranks are averaged as DDP averages ``.grad`` (no
+    ``DistributedDataParallel`` wrapper: the optimizer communicates), the
+    update's reduce-scatter -> sharded step of ``optimizer_class`` ->
+    all-gather runs in the background while the next micro-batches compute.
+    In mode ``"acco"`` an update needs at least two micro-batches: the first
+    half gives an estimate ``theta~`` (handed off when the backward that ends
+    the first half finishes), both halves the committed update (handed off by
+    ``step()``). ``"dpu"`` (delayed, uncompensated) and ``"sync"`` (plain
+    ZeRO-1) are the baselines.
 
     Construction, ``step()`` and ``finish()`` are collective: call them on all
     ranks of ``process_group``. Construction broadcasts the parameters from the
@@ -57,22 +77,37 @@ class AccoOptimizer(torch.optim.Optimizer):
         mode: ``"acco"`` | ``"dpu"`` | ``"sync"``.
         process_group: default: the WORLD group when initialised, otherwise one
             process (still asynchronous).
-        min_microbatches: micro-batches to accumulate before a hand-off.
-        max_microbatches: accumulate at most this many while a round is in
-            flight, then ``step()`` waits for it; ``None``: no bound.
+        microbatches_per_update: ``backward()`` calls per ``step()``. Mode acco
+            needs it to split an update into halves; ``None``: learned from the
+            first update, which then runs synchronously (the model holds
+            ``theta_1`` after it instead of the estimate ``theta~_1``).
+        accumulate_while_communicating: call ``step()`` after every
+            micro-batch; a round is handed off when the previous one has
+            finished (and ``min_microbatches`` are accumulated), so ranks of
+            unequal speed never wait for each other. Each round then averages
+            over all micro-batches of all ranks. Off by default (deterministic).
+        min_microbatches, max_microbatches: with
+            ``accumulate_while_communicating``: micro-batches to accumulate
+            before a hand-off, and at most while a round is in flight
+            (``None``: no bound).
         compute_dtype: dtype of the model's parameters (the compute copy), e.g.
             ``torch.bfloat16``; the sharded master stays fp32. ``None``: keep.
         max_grad_norm: clip the global L2 norm of the averaged gradient to
-            this, as ``clip_grad_norm_`` on the full gradient would.
+            this, as ``clip_grad_norm_`` on DDP's all-reduced gradient would.
+            (Clipping ``.grad`` yourself raises: it is the local gradient here.)
         nonfinite: ``"skip"`` (default) an update whose averaged gradient holds
             inf/NaN, counting it in ``num_skipped_updates``, or ``"raise"``
             :class:`~acco.NonFiniteGradientError`; all ranks act alike.
         timeout: how long a round's collectives wait for a peer before
             raising (default: the process group default).
+        buffers: the model's buffers (``model.buffers()``, e.g. BatchNorm's
+            running statistics) to keep equal across ranks: broadcast from the
+            group's first rank at every ``step()``, as DDP broadcasts them.
         **optimizer_kwargs: passed to ``optimizer_class`` (``lr=...``).
 
-    Whether communication is hidden: :meth:`round_stats`, :meth:`overlap_summary`;
-    memory: :meth:`memory_report`.
+    Evaluate or save the committed weights inside :meth:`committed_weights`.
+    Whether communication is hidden: :meth:`round_stats`,
+    :meth:`overlap_summary`; memory: :meth:`memory_report`.
     """
 
     HISTORY_LIMIT = 100_000  # rounds kept for round_stats()
@@ -84,17 +119,20 @@ class AccoOptimizer(torch.optim.Optimizer):
         *,
         mode: str = "acco",
         process_group: Optional[dist.ProcessGroup] = None,
+        microbatches_per_update: Optional[int] = None,
+        accumulate_while_communicating: bool = False,
         min_microbatches: int = 1,
         max_microbatches: Optional[int] = None,
         compute_dtype: Optional[torch.dtype] = None,
         max_grad_norm: Optional[float] = None,
         nonfinite: str = "skip",
         timeout: Optional[datetime.timedelta] = None,
+        buffers: Optional[Iterable[torch.Tensor]] = None,
         **optimizer_kwargs: Any,
     ) -> None:
         V.check_optimizer_class(optimizer_class)
         V.check_mode(mode)
-        V.check_microbatches(min_microbatches, max_microbatches)
+        V.check_handoffs(mode, microbatches_per_update, accumulate_while_communicating, min_microbatches, max_microbatches)
         V.check_clipping(max_grad_norm, nonfinite)
         groups = V.normalize_param_groups(params)
         super().__init__(groups, dict(optimizer_kwargs))
@@ -104,6 +142,8 @@ class AccoOptimizer(torch.optim.Optimizer):
             raise TypeError(f"compute_dtype must be a floating dtype such as torch.bfloat16, got {compute_dtype}")
 
         self.mode = mode
+        self.microbatches_per_update = microbatches_per_update
+        self.accumulate_while_communicating = bool(accumulate_while_communicating)
         self.min_microbatches = min_microbatches
         self.max_microbatches = max_microbatches
         self.optimizer_class = optimizer_class
@@ -116,6 +156,7 @@ class AccoOptimizer(torch.optim.Optimizer):
         param_dtype = self._params[0].dtype
         self.compute_dtype = compute_dtype or param_dtype
         master_dtype = torch.float64 if param_dtype == torch.float64 else torch.float32
+        self._model_buffers = V.check_buffers(buffers, device)
 
         self.layout = FlatLayout.build([p.shape for p in self._params], self.world_size)
         if self._group is not None:
@@ -147,15 +188,13 @@ class AccoOptimizer(torch.optim.Optimizer):
 
         cd = self.compute_dtype
         n = self.layout.padded_numel
-        self._grads = torch.zeros(n, dtype=cd, device=device)  # where backward writes (.grad views)
         self._accum = torch.zeros(n, dtype=cd, device=device)  # gradient sum since the last commit
         self._comm = torch.zeros(n, dtype=cd, device=device)  # round in/out: gradients out, weights in
-        self._grad_views = self.layout.views(self._grads)
         self._comm_views = self.layout.views(self._comm)
-        for p, v in zip(self._params, self._grad_views):
-            if p.grad is not None:
-                v.copy_(p.grad)
-            p.grad = v
+        # Where backward writes. One step() per update: straight into the accumulation buffer.
+        # Accumulating while communicating: a buffer of its own, folded into accum at each step().
+        self._grads = torch.zeros(n, dtype=cd, device=device) if self.accumulate_while_communicating else self._accum
+        self._binding = GradBinding(self._params, self.layout.views(self._grads), self._grads)
         self._buffers = ShardBuffers(
             comm=self._comm,
             master=master,
@@ -200,8 +239,13 @@ class AccoOptimizer(torch.optim.Optimizer):
         self._grads_dirty = False
         self._finished = False
         self._failed: Optional[BaseException] = None
+        self._in_committed_view = False
         self.num_rounds = 0  # rounds handed off
         self.num_updates = 0  # committed updates now in the model
+        self._commits_handed_off = 0
+        self._holds_estimate = False  # the model's parameters are an estimate theta~
+        self._estimate_in_update = False  # this update's estimate round was handed off
+        self._ddp_checked = False
         self._pending: Optional[RoundKind] = None  # a collected round whose weights are not yet in the model
         self._update_hyper: List[Dict[str, Any]] = []  # hyper-parameters of the update being handed off
         self._lr_schedulers: List[Any] = []
@@ -210,21 +254,21 @@ class AccoOptimizer(torch.optim.Optimizer):
         self._last_grad_norm: Optional[torch.Tensor] = None
         self._history: "deque[RoundRecord]" = deque(maxlen=self.HISTORY_LIMIT)
         self._committed_mb = torch.zeros((), dtype=torch.float64, device=device)
-        # A weak reference: parameters must not keep the optimizer (and its process
-        # group) alive in a cycle that only the garbage collector, maybe at exit, breaks.
+        self._backward_queued = -1  # id of the autograd graph task whose end-of-backward callback is queued
+        self._mb_in_update = 0  # backward() calls since the last step() (one step() per update)
+        # Weak references: parameters (hooks) and the interpreter (atexit) must not keep the
+        # optimizer and its process group alive in a cycle that only the collector breaks at exit.
         self_ref = weakref.ref(self)
-
-        def mark_grads_dirty(_param: torch.Tensor) -> None:
-            opt = self_ref()
-            if opt is not None:
-                opt._grads_dirty = True
-
-        self._hook_handles = [p.register_post_accumulate_grad_hook(mark_grads_dirty) for p in self._params]
+        self._hook_handles = [
+            p.register_post_accumulate_grad_hook(partial(_after_accumulate, self_ref, i)) for i, p in enumerate(self._params)
+        ]
+        atexit.register(_close_at_exit, self_ref)
 
     # ------------------------------------------------------------------ checks
 
     def _signature(self) -> str:
-        parts = [self.mode, self.optimizer_class.__name__, str(self.min_microbatches), str(self.max_microbatches)]
+        parts = [self.mode, self.optimizer_class.__name__, str(self.min_microbatches), str(self.max_microbatches),
+                 str(self.microbatches_per_update), str(self.accumulate_while_communicating)]
         parts += [str(len(g["params"])) for g in self.param_groups]
         parts += [f"{tuple(p.shape)}:{p.dtype}" for p in self._params]
         return "|".join(parts)
@@ -244,8 +288,8 @@ class AccoOptimizer(torch.optim.Optimizer):
             detail = "; ".join(f"rank {i}: {r[0]} tensors, {r[1]} elements" for i, r in enumerate(rows))
             raise RuntimeError(
                 "AccoOptimizer: the ranks disagree on the model or the options (parameter shapes/dtypes, "
-                f"param groups, mode, optimizer class, min/max_microbatches): {detail}. Build the same model "
-                "and AccoOptimizer arguments on every rank."
+                "param groups, mode, optimizer class, microbatches_per_update, accumulate_while_communicating, "
+                f"min/max_microbatches): {detail}. Build the same model and AccoOptimizer arguments on every rank."
             )
 
     def _broadcast_parameters(self) -> None:
@@ -254,6 +298,20 @@ class AccoOptimizer(torch.optim.Optimizer):
         with torch.no_grad():
             for p in self._params:
                 dist.broadcast(p.data, src=src, group=self._group)
+
+    def _sync_buffers(self) -> None:
+        """Give every rank the first rank's model buffers (``buffers=``), as DDP does. Collective on the user's group."""
+        if not self._model_buffers or self._group is None:
+            return
+        src = dist.get_global_rank(self._group, 0)
+        by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
+        for b in self._model_buffers:
+            by_dtype.setdefault(b.dtype, []).append(b)
+        with torch.no_grad():
+            for tensors in by_dtype.values():
+                flat = torch.cat([t.reshape(-1) for t in tensors])
+                dist.broadcast(flat, src=src, group=self._group)  # one message per dtype
+                torch._foreach_copy_(tensors, [f.view_as(t) for f, t in zip(flat.split([t.numel() for t in tensors]), tensors)])
 
     def _check_same_round_count(self) -> None:
         """Raise on every rank if the ranks handed off different numbers of rounds. Collective."""
@@ -268,51 +326,89 @@ class AccoOptimizer(torch.optim.Optimizer):
                 "same number of updates, e.g. loop while opt.next_update_index < total_updates."
             )
 
-    def _check_open(self) -> None:
+    def _check_not_failed(self) -> None:
         if self._failed is not None:
             raise RuntimeError("AccoOptimizer: a previous round failed; this optimizer cannot continue") from self._failed
+
+    def _check_open(self) -> None:
+        self._check_not_failed()
         if self._finished:
             raise RuntimeError(
                 "AccoOptimizer.step() after finish(): finish() ends training with this optimizer; "
                 "build a new AccoOptimizer to train further"
             )
+        if self._in_committed_view:
+            raise RuntimeError(
+                "AccoOptimizer: training inside opt.committed_weights(): the block is for evaluating or saving "
+                "the committed weights; call backward()/step() after it"
+            )
+
+    def _check_ddp_once(self) -> None:
+        if not self._ddp_checked:
+            self._ddp_checked = True
+            _ddp.check_not_reducing_twice(self._params)
+
+    def _clip_hint(self) -> str:
+        if self.max_grad_norm is None:
+            return ("To clip the global gradient norm as clip_grad_norm_ does under DDP, pass max_grad_norm=... to "
+                    "AccoOptimizer and do not clip .grad yourself (HF Trainer: acco.integrations.hf.AccoTrainer "
+                    "maps max_grad_norm for you).")
+        return f"This optimizer already clips with max_grad_norm={self.max_grad_norm}: do not clip .grad yourself."
 
     # ------------------------------------------------------------------ gradients
 
+    def _on_grad_accumulated(self, index: int) -> None:
+        """Post-accumulate-grad hook of parameter ``index`` (inside backward)."""
+        if self._in_committed_view:
+            raise RuntimeError("AccoOptimizer: backward() inside opt.committed_weights(); call it after the block")
+        self._binding.after_accumulate(index)
+        self._grads_dirty = True
+        if self.accumulate_while_communicating:
+            return
+        task = torch._C._current_graph_task_id()
+        if task != self._backward_queued:
+            self._backward_queued = task
+            # Once per backward pass, as DDP and FSDP do: runs when the whole backward has finished.
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _end_of_backward(self) -> None:
+        """End of a backward pass: once more at the back of the queue, so that the end-of-backward work of
+        others queued during this backward (DDP's copy of its buckets into .grad) is done first."""
+        torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
+
+    def _after_backward(self) -> None:
+        """A micro-batch's backward has finished (one step() per update). In mode acco, the backward that
+        completes the first half of the update hands off the estimate round and puts theta_t in the model."""
+        self._binding.mark_backward_end()
+        self._mb_in_update += 1
+        self._at_boundary = False
+        m = self.microbatches_per_update
+        if self.mode == "acco" and m is not None and not self._estimate_in_update and self._mb_in_update == m // 2:
+            self._check_open()
+            self._update_hyper = self._hyperparams()  # both rounds of one update use the same
+            self._handoff(RoundKind.ESTIMATE, self._mb_in_update, m / (self._mb_in_update * self.world_size))
+            self._estimate_in_update = True
+
     @torch.no_grad()
     def _fold_grads(self) -> None:
-        """accum += this micro-batch's gradients, whatever became of ``.grad``."""
-        for p, v in zip(self._params, self._grad_views):
-            g = p.grad
-            if g is None:  # set_to_none by the user: no gradient for p this micro-batch
-                v.zero_()
-                p.grad = v
-            elif g.is_sparse:  # e.g. nn.Embedding(sparse=True) after set_to_none: densified
-                v.copy_(g.to_dense())
-                p.grad = v
-            elif g.data_ptr() != v.data_ptr() or g.shape != v.shape:  # replaced by the user/autograd
-                v.copy_(g)
-                p.grad = v
+        """Accumulating while communicating: accum += this micro-batch's gradients."""
+        self._binding.check_untouched(self._clip_hint, strict=False)
         self._accum.add_(self._grads)
-        self._grads.zero_()
+        self._binding.zero_()
         self._grads_dirty = False
         self._at_boundary = False
         self._since_handoff += 1
         self._in_accum += 1
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        """Discard gradients computed since the last ``step()``.
+        """Discard the gradients of the micro-batches since the last ``step()``, as torch's optimizers do.
 
-        The accumulation the rounds use belongs to the library and is never
-        cleared here. ``.grad`` stays bound to the library's flat buffer (zeroed
-        in place) whatever ``set_to_none`` says, so no memory is reallocated.
+        ``.grad`` stays bound to the library's flat buffer (zeroed in place)
+        whatever ``set_to_none`` says, so no memory is reallocated. With
+        ``accumulate_while_communicating`` the gradients already given to
+        ``step()`` belong to the library and are kept.
         """
-        if not self._grads_dirty and all(p.grad is v for p, v in zip(self._params, self._grad_views)):
-            return
-        with torch.no_grad():
-            self._grads.zero_()
-            for p, v in zip(self._params, self._grad_views):
-                p.grad = v
+        self._binding.zero_()
         self._grads_dirty = False
 
     # ------------------------------------------------------------------ rounds
@@ -349,23 +445,17 @@ class AccoOptimizer(torch.optim.Optimizer):
         """theta/theta~ swap: put the collected round's weights into the model."""
         if self._pending is not None and (not commits_only or self._pending is RoundKind.COMMIT):
             self.scheduler.install(self._params, self._comm_views)
+            self._holds_estimate = self._pending is RoundKind.ESTIMATE
         self._pending = None
 
-    def _handoff(self) -> None:
-        """Start the next round on the gradients accumulated so far (compute side ordered first)."""
+    def _handoff(self, kind: RoundKind, local_microbatches: int, grad_scale: Optional[float]) -> None:
+        """Start round ``kind`` on the gradients accumulated so far (compute side ordered first)."""
         self._collect()
-        self._install_pending()  # round k-1's weights are the model's for the micro-batches after hand-off k
-        kind = round_kind(self.mode, self.num_rounds)
+        self._install_pending()  # the previous round's weights are the model's for the micro-batches after this hand-off
         with torch.no_grad():
             self._comm.copy_(self._accum)
             if kind is RoundKind.COMMIT:
-                self._accum.zero_()  # the estimate's gradients count again in the commit, then go
-        count = self._in_accum
-        if kind is RoundKind.COMMIT:
-            self._in_accum = 0
-        self._since_handoff = 0
-        if self.mode != "acco" or kind is RoundKind.ESTIMATE:
-            self._update_hyper = self._hyperparams()  # both rounds of one acco update use the same
+                self._accum.zero_()  # an estimate's gradients count again in the commit, then go
         fn = partial(
             run_round,
             kind,
@@ -373,18 +463,85 @@ class AccoOptimizer(torch.optim.Optimizer):
             self.local_optimizer,
             self._pieces,
             self._update_hyper,
-            count,
+            local_microbatches,
             self._round_group,
             self._snapshot,
             self.max_grad_norm,
             self.nonfinite,
+            grad_scale,
         )
         self.num_rounds += 1
-        self.scheduler.submit(fn)
         if kind is RoundKind.COMMIT:
-            self._at_boundary = True
-            for scheduler in self._lr_schedulers:
-                scheduler.step()  # schedules count committed updates
+            self._commits_handed_off += 1
+        self.scheduler.submit(fn)
+
+    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+        """One optimizer update from the micro-batches' gradients since the last ``step()``.
+
+        Hands the update's commit round off and returns; the round runs while
+        the next micro-batches compute (mode sync: waits for it). After
+        ``step()`` the model holds the weights for the next micro-batch (mode
+        acco: the estimate ``theta~``; see :meth:`committed_weights`).
+        With ``accumulate_while_communicating``: call it after every
+        micro-batch; it hands off a round only when one can start.
+        Collective: call on all ranks.
+        """
+        self._check_open()
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        self._check_ddp_once()
+        if self.accumulate_while_communicating:
+            self._elastic_step()
+        else:
+            self._update_step()
+        return loss
+
+    def _update_step(self) -> None:
+        self._binding.check_untouched(self._clip_hint)
+        m = self._mb_in_update
+        if m == 0:
+            raise RuntimeError(
+                "AccoOptimizer.step() without a backward() since the last step(): one step() is one update "
+                "of the gradients of the backward() calls before it"
+            )
+        first = False
+        if self.mode == "acco" and self.microbatches_per_update is None:
+            self._learn_microbatches(m)
+            first = True
+        elif self.microbatches_per_update is not None and m != self.microbatches_per_update:
+            raise RuntimeError(
+                f"AccoOptimizer.step() after {m} backward() call(s), but this optimizer takes "
+                f"microbatches_per_update={self.microbatches_per_update}: run the same number of micro-batches "
+                "(backward() calls) before every step()"
+            )
+        if not self._estimate_in_update:
+            self._update_hyper = self._hyperparams()
+        self._handoff(RoundKind.COMMIT, m, 1.0 / self.world_size)
+        if self.mode == "sync" or first:
+            self._collect()
+            self._install_pending()
+        self._mb_in_update = 0
+        self._estimate_in_update = False
+        self._at_boundary = True
+        for scheduler in self._lr_schedulers:
+            scheduler.step()
+        self._sync_buffers()
+
+    def _learn_microbatches(self, m: int) -> None:
+        """Mode acco without microbatches_per_update: the first update's count, the same on every rank."""
+        counts = [row[0] for row in self._all_gather_row([m])] if self._group is not None else [m]
+        if len(set(counts)) > 1:
+            raise RuntimeError(
+                f"AccoOptimizer.step(): the ranks ran different numbers of micro-batches in the first update "
+                f"{counts} (rank i at index i); run the same number on every rank, or pass "
+                "accumulate_while_communicating=True for ranks of unequal speed"
+            )
+        if m < 2:
+            raise ValueError(V.ACCO_NEEDS_TWO.format(m=m))
+        self.microbatches_per_update = m
+        log.info("acco: %d micro-batches per update (learned from the first update, which ran synchronously)", m)
 
     def _ready_for_handoff(self) -> bool:
         if self._since_handoff < self.min_microbatches:
@@ -394,32 +551,67 @@ class AccoOptimizer(torch.optim.Optimizer):
         # Accumulate while you communicate: keep computing unless the bound is reached.
         return self.max_microbatches is not None and self._since_handoff >= self.max_microbatches
 
-    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
-        """Take this micro-batch's gradients; hand them to a round when one can start.
-
-        Returns at once while a round is in flight (the gradients accumulate)
-        unless ``max_microbatches`` is reached. After ``step()`` the model holds
-        the weights for the next micro-batch. Collective: call on all ranks.
-        """
-        self._check_open()
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+    def _elastic_step(self) -> None:
         self._fold_grads()
         if not self._ready_for_handoff():
-            return loss
-        self._handoff()
+            return
+        kind = round_kind(self.mode, self.num_rounds)
+        count = self._in_accum
+        if kind is RoundKind.COMMIT:
+            self._in_accum = 0
+        self._since_handoff = 0
+        if self.mode != "acco" or kind is RoundKind.ESTIMATE:
+            self._update_hyper = self._hyperparams()  # both rounds of one acco update use the same
+        self._handoff(kind, count, None)
         if self.mode == "sync":
             self._collect()
             self._install_pending()
-        return loss
+        if kind is RoundKind.COMMIT:
+            self._at_boundary = True
+            for scheduler in self._lr_schedulers:
+                scheduler.step()  # schedules count committed updates
+            self._sync_buffers()
+
+    @contextlib.contextmanager
+    def committed_weights(self) -> Iterator[None]:
+        """Hold the last committed weights ``theta`` in the model for the block, then put back what it held.
+
+        Evaluate or save inside it: between updates the model may hold the
+        estimate ``theta~`` (mode acco) or weights one update old (mode dpu).
+        Waits for the in-flight round. Local (no collective); re-entrant.
+        No ``backward()``/``step()`` inside the block.
+        """
+        if self._in_committed_view:
+            yield
+            return
+        self._check_not_failed()
+        self._collect()
+        swap = self._pending is RoundKind.COMMIT
+        if swap:
+            self._swap_pending()
+        self._in_committed_view = True
+        try:
+            yield
+        finally:
+            self._in_committed_view = False
+            if swap:
+                self._swap_pending()
+
+    @torch.no_grad()
+    def _swap_pending(self) -> None:
+        """Exchange the model's weights and the collected round's (one parameter-sized temporary at a time)."""
+        for p, v in zip(self._params, self._comm_views):
+            tmp = p.detach().clone()
+            p.copy_(v)
+            v.copy_(tmp)
 
     def finish(self) -> None:
         """Wait for the in-flight round; leave the last committed weights in the model.
 
         An in-flight estimate is dropped (the model already holds ``theta_t``),
-        and so are micro-batches accumulated but not yet handed off. Idempotent.
+        and so are micro-batches whose ``step()`` has not come. Idempotent.
+        Optional: without it, the process still exits cleanly (the round is
+        waited for at exit), but the model may hold an estimate.
         Collective: call on all ranks.
         """
         if self._finished:
@@ -435,7 +627,19 @@ class AccoOptimizer(torch.optim.Optimizer):
             self._release_round_group()
         with torch.no_grad():
             self._accum.zero_()
-        self._in_accum = self._since_handoff = 0
+        self._in_accum = self._since_handoff = self._mb_in_update = 0
+        self._holds_estimate = False
+
+    def _close_at_exit(self) -> None:
+        """At interpreter exit without finish(): let the in-flight round end, then release the round group
+        (gloo work freed during interpreter finalisation aborts the process). No collective."""
+        if self._finished:
+            return
+        self._finished = True
+        stuck = self._failed is not None
+        self.scheduler.close(wait=False, join_timeout=0.0 if stuck else 60.0)
+        if not stuck and not self.scheduler.worker_alive():
+            self._release_round_group()
 
     def _release_round_group(self) -> None:
         """Destroy the process group the rounds used, now rather than at interpreter exit.
@@ -459,17 +663,18 @@ class AccoOptimizer(torch.optim.Optimizer):
         before ``step()``): in mode acco both halves of a mini-batch then use the
         same rate, and ranks that accumulate at different speeds agree.
         """
-        return self.num_rounds // 2 if self.mode == "acco" else self.num_rounds
+        return self._commits_handed_off
 
     @property
     def holds_committed_weights(self) -> bool:
         """Whether the model's parameters are committed weights (not an estimate theta~)."""
-        return self.mode != "acco" or self.num_rounds % 2 == 1 or self.num_rounds == 0 or self._finished
+        return not self._holds_estimate
 
     @property
     def at_update_boundary(self) -> bool:
-        """True right after the step() that handed off a committed update (and before any
-        further micro-batch), or before the first step: where a checkpoint may be taken."""
+        """True right after a step() (with accumulate_while_communicating: the one that handed off a
+        committed update) and before any further backward(), or before the first: where a checkpoint
+        may be taken."""
         return self._at_boundary
 
     @property
@@ -480,8 +685,8 @@ class AccoOptimizer(torch.optim.Optimizer):
     def attach_lr_scheduler(self, scheduler: Any) -> Any:
         """Step ``scheduler`` once per committed update handed off (every rank alike).
 
-        Then a schedule counts committed updates, not ``step()`` calls (which in
-        mode acco are two per update, and differ across ranks that accumulate).
+        Only needed with ``accumulate_while_communicating``, where ``step()`` calls
+        differ across ranks; otherwise step the scheduler after ``step()`` as usual.
         Do not also call ``scheduler.step()`` yourself. Returns ``scheduler``.
         """
         self._lr_schedulers.append(scheduler)
@@ -521,9 +726,10 @@ class AccoOptimizer(torch.optim.Optimizer):
     def memory_report(self) -> Dict[str, int]:
         """Bytes this rank holds, by buffer: the model's parameters and the library's own buffers.
 
-        Compare with the table in ``algorithm.md``: ``params``, ``grads`` (what
-        backward writes), ``accum`` and ``comm`` are full-size in the compute
-        dtype; ``master``, ``master_grad``, ``staging``, ``optimizer_state``
+        Compare with the table in ``docs/algorithm.md``: ``params``, ``grads`` (what
+        backward writes: the accumulation buffer itself, so 0 extra, unless
+        accumulating while communicating), ``accum`` and ``comm`` are full-size
+        in the compute dtype; ``master``, ``master_grad``, ``staging``, ``optimizer_state``
         and ``estimate_scratch`` are this rank's 1/N slice. Local: no collective.
         """
         b = self._buffers
@@ -531,7 +737,7 @@ class AccoOptimizer(torch.optim.Optimizer):
         scratch = [] if self._snapshot is None else self._snapshot.tensors()
         report = {
             "params": nbytes(self._params),
-            "grads": nbytes([self._grads]),
+            "grads": 0 if self._grads is self._accum else nbytes([self._grads]),
             "accum": nbytes([self._accum]),
             "comm": nbytes([self._comm]),
             "master": nbytes([b.master]),
@@ -566,3 +772,15 @@ class AccoOptimizer(torch.optim.Optimizer):
         """Take a plain optimizer's ``state_dict()``; the master comes from the model's
         current weights. Collective: call on all ranks."""
         _checkpoint.load_consolidated_state_dict(self, state_dict)
+
+
+def _after_accumulate(opt_ref: "weakref.ref[AccoOptimizer]", index: int, _param: torch.Tensor) -> None:
+    opt = opt_ref()
+    if opt is not None:
+        opt._on_grad_accumulated(index)
+
+
+def _close_at_exit(opt_ref: "weakref.ref[AccoOptimizer]") -> None:
+    opt = opt_ref()
+    if opt is not None:
+        opt._close_at_exit()

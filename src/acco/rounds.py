@@ -170,6 +170,7 @@ def run_round(
     snapshot: Optional[OptimizerSnapshot] = None,
     max_grad_norm: Optional[float] = None,
     nonfinite: str = "skip",
+    grad_scale: Optional[float] = None,
 ) -> RoundResult:
     """Run one round on the current thread/stream. Collective: call on all ranks.
 
@@ -185,6 +186,12 @@ def run_round(
     with ``"skip"`` no step is taken and the unchanged weights are all-gathered.
     With ``max_grad_norm`` the gradient is scaled exactly as
     ``clip_grad_norm_`` would scale the full gradient.
+
+    ``grad_scale=None`` divides the gradient sum by the micro-batch count over
+    all ranks (accumulate while communicating: the mean per micro-batch);
+    a number multiplies the sum by it instead (one ``step()`` per update:
+    ``1/N``, DDP's average of the ranks' ``.grad``; an estimate's half is
+    extrapolated to a whole update).
     """
     b = buffers
     b.count.fill_(float(local_microbatches))
@@ -195,7 +202,10 @@ def run_round(
     else:
         reduce_scatter_flat(b.staging, b.comm, group, b.collectives)
         b.grad.copy_(b.staging)
-    b.grad.div_(b.count)  # the mean over all micro-batches of all ranks
+    if grad_scale is None:
+        b.grad.div_(b.count)  # the mean over all micro-batches of all ranks
+    else:
+        b.grad.mul_(grad_scale)
     norm = global_grad_norm(b.grad, group)
     skipped = not bool(torch.isfinite(norm))  # a host sync, on the round's own thread
     if skipped and nonfinite == "raise":

@@ -61,6 +61,9 @@ class _Worker:
             # frees tensors while the interpreter exits aborts the process.
             del item, fut, fn
 
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
     def shutdown(self, timeout: float) -> None:
         """Stop the thread and join it (at most ``timeout`` s: it may be stuck with a dead peer)."""
         self._queue.put(None)
@@ -169,6 +172,10 @@ class StreamScheduler:
         """
         with torch.no_grad():
             torch._foreach_copy_(list(params), list(sources))
+
+    def worker_alive(self) -> bool:
+        """Whether the worker thread still runs (e.g. stuck in a collective with a dead peer)."""
+        return self._worker.alive()
 
     def close(self, wait: bool = True, join_timeout: float = 10.0) -> None:
         """Stop accepting rounds; with ``wait``, collect the in-flight one first; join the worker
