@@ -23,7 +23,7 @@ def main(out, total, every, kill_at):
     acco.init_process_group("gloo")  # a store prefix per restart attempt
     rank, world = dist.get_rank(), dist.get_world_size()
     model = make_model()
-    opt = AccoOptimizer(model.parameters(), mode="acco", max_microbatches=1, **KW)
+    opt = AccoOptimizer(model.parameters(), mode="acco", accumulate_while_communicating=True, max_microbatches=1, **KW)
     path = os.path.join(out, "ckpt")
     start = 0
     if os.path.exists(path) or os.path.exists(path + ".old"):

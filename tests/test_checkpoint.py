@@ -39,7 +39,7 @@ def _train(model, opt, rank, world, start, stop, traj=None):
 def _save_worker(rank, world, mode, path, k1, k2):
     """Train k1 micro-batches, checkpoint, then continue k2 more (the uninterrupted reference)."""
     model = make_model()
-    opt = AccoOptimizer(model.parameters(), mode=mode, max_microbatches=1, **KW)
+    opt = AccoOptimizer(model.parameters(), mode=mode, accumulate_while_communicating=True, max_microbatches=1, **KW)
     _train(model, opt, rank, world, 0, k1)
     assert opt.at_update_boundary
     ckpt.save(path, opt, extra={"next_index": torch.tensor(k1)})
@@ -52,7 +52,7 @@ def _save_worker(rank, world, mode, path, k1, k2):
 def _load_worker(rank, world, mode, path, k2):
     """Fresh model and optimizer (other init), load, continue k2 micro-batches."""
     model = make_model(seed=123)
-    opt = AccoOptimizer(model.parameters(), mode=mode, max_microbatches=1, **KW)
+    opt = AccoOptimizer(model.parameters(), mode=mode, accumulate_while_communicating=True, max_microbatches=1, **KW)
     extra = ckpt.load(path, opt, extra={"next_index": torch.tensor(0)})
     start = int(extra["next_index"])
     traj = []
@@ -81,7 +81,7 @@ def test_checkpoint_holds_only_tensors(tmp_path):
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     model = make_model()
-    opt = AccoOptimizer(model.parameters(), mode="acco", max_microbatches=1, **KW)
+    opt = AccoOptimizer(model.parameters(), mode="acco", accumulate_while_communicating=True, max_microbatches=1, **KW)
     _train(model, opt, 0, 1, 0, 4)
     ckpt.save(str(tmp_path / "c"), opt, extra={"step": torch.tensor(4)})
     meta = dcp.FileSystemReader(str(tmp_path / "c")).read_metadata().state_dict_metadata
@@ -92,7 +92,7 @@ def test_checkpoint_holds_only_tensors(tmp_path):
 def test_state_dict_mid_update_is_refused():
     """Check that a checkpoint between the two halves of an acco update raises a clear error."""
     model = make_model()
-    opt = AccoOptimizer(model.parameters(), mode="acco", max_microbatches=1, **KW)
+    opt = AccoOptimizer(model.parameters(), mode="acco", accumulate_while_communicating=True, max_microbatches=1, **KW)
     _train(model, opt, 0, 1, 0, 3)  # estimate of update 1 handed off: half a mini-batch pending
     assert not opt.at_update_boundary
     with pytest.raises(RuntimeError, match="mid-update"):

@@ -36,7 +36,7 @@ def _grad_fn(rank, index, weights):
 def _run(mode, steps=7):
     model = make_model().cuda()
     theta0 = [p.detach().clone() for p in model.parameters()]
-    opt = AccoOptimizer(model.parameters(), mode=mode, max_microbatches=1, **KW)
+    opt = AccoOptimizer(model.parameters(), mode=mode, accumulate_while_communicating=True, max_microbatches=1, **KW)
     traj = []
     for i in range(steps):
         _loss(model, i).backward()
@@ -72,7 +72,7 @@ def test_cuda_nccl_one_rank_bf16():
         dist.init_process_group("nccl", init_method=f"file://{os.path.join(tmp, 's')}", rank=0, world_size=1)
         try:
             model = make_model().cuda()
-            opt = AccoOptimizer(model.parameters(), mode="acco", compute_dtype=torch.bfloat16, max_microbatches=1, **KW)
+            opt = AccoOptimizer(model.parameters(), mode="acco", compute_dtype=torch.bfloat16, accumulate_while_communicating=True, max_microbatches=1, **KW)
             for i in range(6):
                 x, y = (t.cuda() for t in batch(0, i))
                 ((model(x.bfloat16()).float() - y) ** 2).mean().backward()
@@ -88,7 +88,7 @@ def test_cuda_nccl_one_rank_bf16():
 def test_cuda_round_stats_from_events():
     """Check that on CUDA round timings come from events: readable once the device is idle, consistent."""
     model = make_model().cuda()
-    opt = AccoOptimizer(model.parameters(), mode="acco", max_microbatches=1, **KW)
+    opt = AccoOptimizer(model.parameters(), mode="acco", accumulate_while_communicating=True, max_microbatches=1, **KW)
     for i in range(6):
         _loss(model, i).backward()
         opt.step()

@@ -85,7 +85,7 @@ def _stats_worker(rank: int, world: int, mode: str) -> list:
 
     rounds.all_gather_flat = slow_all_gather
     model = make_model()
-    opt = AccoOptimizer(model.parameters(), mode=mode, max_microbatches=1, lr=1e-2)
+    opt = AccoOptimizer(model.parameters(), mode=mode, accumulate_while_communicating=True, max_microbatches=1, lr=1e-2)
     for mb in range(6):
         loss_fn(model, rank, mb).backward()
         if mode != "sync" and opt.num_rounds > 0:
@@ -133,7 +133,7 @@ def test_summarize_is_plain_arithmetic():
 def test_memory_report_matches_algorithm_table(mode, dtype):
     """Check memory_report() against algorithm.md's table, element by element (one process)."""
     model = make_model()
-    opt = AccoOptimizer(model.parameters(), mode=mode, compute_dtype=dtype, max_microbatches=1, lr=1e-2)
+    opt = AccoOptimizer(model.parameters(), mode=mode, compute_dtype=dtype, accumulate_while_communicating=True, max_microbatches=1, lr=1e-2)
     for mb in range(4):
         loss_fn(model, 0, mb).backward() if dtype is None else model(torch.randn(2, 5, dtype=dtype)).sum().backward()
         opt.step()

@@ -21,7 +21,7 @@ def _model() -> nn.Module:
 def _bytes_worker(rank: int, world: int) -> dict:
     model = _model()
     numel = sum(p.numel() for p in model.parameters())
-    opt = AccoOptimizer(model.parameters(), mode="acco", max_microbatches=1, lr=1e-3)
+    opt = AccoOptimizer(model.parameters(), mode="acco", accumulate_while_communicating=True, max_microbatches=1, lr=1e-3)
     for _ in range(2):  # the state exists after the first committed step
         model(torch.randn(3, 37)).sum().backward()
         opt.step()

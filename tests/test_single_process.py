@@ -16,7 +16,7 @@ from acco import AccoOptimizer
 def _run(mode, steps, zero="opt", **kw):
     model = make_model()
     theta0 = [p.detach().clone() for p in model.parameters()]
-    opt = AccoOptimizer(model.parameters(), mode=mode, max_microbatches=1, lr=1e-2, weight_decay=0.1, **kw)
+    opt = AccoOptimizer(model.parameters(), mode=mode, accumulate_while_communicating=True, max_microbatches=1, lr=1e-2, weight_decay=0.1, **kw)
     threads = []
     opt.local_optimizer.register_step_pre_hook(lambda *_: threads.append(threading.current_thread().name))
     traj = []

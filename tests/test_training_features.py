@@ -106,7 +106,7 @@ def test_lr_each_round_uses_is_the_schedule_per_committed_update(name, mode):
         sched.step()
 
     model = make_model()
-    opt = AccoOptimizer(model.parameters(), mode=mode, max_microbatches=1, **KW)
+    opt = AccoOptimizer(model.parameters(), mode=mode, accumulate_while_communicating=True, max_microbatches=1, **KW)
     opt.attach_lr_scheduler(make(opt))
     used = []
     opt.local_optimizer.register_step_pre_hook(lambda o, *_: used.append(o.param_groups[0]["lr"]))
@@ -124,7 +124,7 @@ def test_lr_each_round_uses_is_the_schedule_per_committed_update(name, mode):
 
 def _nonfinite_worker(rank, world, policy):
     model = make_model()
-    opt = AccoOptimizer(model.parameters(), mode="acco", max_microbatches=1, nonfinite=policy, **KW)
+    opt = AccoOptimizer(model.parameters(), mode="acco", accumulate_while_communicating=True, max_microbatches=1, nonfinite=policy, **KW)
     try:
         for i in range(8):
             loss = loss_fn(model, rank, i)
@@ -155,7 +155,7 @@ def test_nonfinite_gradient_raises_on_every_rank_when_asked():
 
 def _mismatch_worker(rank, world):
     model = make_model()
-    opt = AccoOptimizer(model.parameters(), mode="acco", max_microbatches=1, **KW)
+    opt = AccoOptimizer(model.parameters(), mode="acco", accumulate_while_communicating=True, max_microbatches=1, **KW)
     for i in range(3 + rank):  # rank 1 hands off one round more; it waits for rank 0 forever
         loss_fn(model, rank, i).backward()
         opt.step()
@@ -174,9 +174,9 @@ def test_ranks_with_different_round_counts_fail_at_finish_instead_of_hanging():
 
 def _stall_worker(rank, world, marker):
     model = make_model()
-    # max_microbatches=1: the healthy rank must wait inside the round (unbounded, it would keep
+    # accumulate_while_communicating=True, max_microbatches=1: the healthy rank must wait inside the round (unbounded, it would keep
     # accumulating and then wait in finish()'s check, on the user's group and its timeout).
-    opt = AccoOptimizer(model.parameters(), mode="dpu", max_microbatches=1, timeout=datetime.timedelta(seconds=3), **KW)
+    opt = AccoOptimizer(model.parameters(), mode="dpu", accumulate_while_communicating=True, max_microbatches=1, timeout=datetime.timedelta(seconds=3), **KW)
     try:
         for i in range(20):
             if rank == 1 and i == 2:

@@ -1,23 +1,30 @@
-"""Checkpoints: sharded state dicts for torch.distributed.checkpoint (DCP), and a
-consolidated per-parameter format for moving to and from a plain optimizer.
+"""Checkpoints: this rank's state dict (``torch.save`` on every rank), the sharded
+form for torch.distributed.checkpoint (DCP, any world size), and a consolidated
+per-parameter format for moving to and from a plain optimizer.
 
-Sharded format (``AccoOptimizer.state_dict()``), keyed by names and parameter
+Both sharded forms hold the same entries, keyed by names and parameter
 indices, never ``id(p)``::
 
     master    flat fp32 weights (all parameters end to end)     \\
-    params    flat model weights (the compute copy, see below)   } 1-D DTensors, Shard(0):
-    state/K   flat optimizer state K (AdamW: exp_avg, ...)      /  each rank writes its slice
+    params    flat model weights (the compute copy, see below)   } this rank's slice
+    state/K   flat optimizer state K (AdamW: exp_avg, ...)      /  (DCP: 1-D DTensors, Shard(0))
     scalars/K per-parameter scalar state (AdamW: step), one value per parameter
     hyper/G.K numeric hyper-parameter K of param group G (lr, betas, ...)
-    counters  [num_rounds, num_updates, num_skipped_updates, committed micro-batches, pending]
+    counters  see _COUNTERS
 
-Every flat tensor has the same global length whatever the world size, so DCP
-reshards a checkpoint saved on N ranks onto M ranks by itself. Nothing is
-pickled: all entries are tensors, and loading executes no code.
+and what they are: ``acco`` (``opt.state_dict()``: format, mode, wrapped
+optimizer, layout, and the rank and world size whose slice it holds) or
+``meta`` (DCP: the same less rank and world size, as tensors).
+``load_state_dict`` refuses a state dict of another mode, optimizer class,
+model, rank or world size, or a plain torch optimizer's, before changing
+anything, and names the call to use instead.
+
+In DCP every flat tensor has the same global length whatever the world size,
+so DCP reshards a checkpoint saved on N ranks onto M ranks by itself. Nothing
+is pickled: all entries are tensors, and loading executes no code.
 
 *When* a checkpoint may be taken: at an update boundary (``opt.at_update_boundary``),
-i.e. right after the ``step()`` that handed off a committed update and before
-the next micro-batch. The in-flight commit is waited for and saved; nothing is
+i.e. between a ``step()`` and the next ``backward()``. The in-flight commit is waited for and saved; nothing is
 accumulated but uncommitted, so resuming neither loses nor double-counts a
 micro-batch. ``params`` holds the weights the model needs for the next
 micro-batch (in mode acco the estimate theta~), so a resumed run continues
@@ -26,6 +33,7 @@ exactly where the uninterrupted one would.
 
 from __future__ import annotations
 
+import hashlib
 import os
 import shutil
 from typing import TYPE_CHECKING, Any, Dict, Optional
@@ -113,18 +121,23 @@ def _restore_hyper(current: Any, saved: torch.Tensor) -> Any:
 def _require_boundary(opt: "AccoOptimizer", what: str) -> None:
     if opt._failed is not None:
         raise RuntimeError(f"AccoOptimizer.{what}(): a previous round failed") from opt._failed
+    if what.startswith("load") and opt._in_committed_view:
+        raise RuntimeError(f"AccoOptimizer.{what}() inside opt.committed_weights(): load after the block")
     if not opt.at_update_boundary:
+        pending = opt._mb_in_update or opt._in_accum
         raise RuntimeError(
-            f"AccoOptimizer.{what}() at a mid-update point: {opt._in_accum} micro-batch(es) of an update are "
-            "accumulated but not committed. Call it right after the step() that hands off a committed update "
-            "(when opt.at_update_boundary is True), e.g. every K updates."
+            f"AccoOptimizer.{what}() at a mid-update point: {pending} micro-batch(es) of an update are "
+            "accumulated but not committed. Call it between a step() and the next backward() "
+            "(when opt.at_update_boundary is True)."
         )
 
 
 def _param_slice(opt: "AccoOptimizer") -> torch.Tensor:
-    """This rank's slice of the model's parameters, flattened end to end."""
+    """This rank's slice of the model's own weights (those for the next micro-batch), flattened end to end.
+    Inside ``opt.committed_weights()`` they wait in the comm buffer."""
     pieces = opt.layout.pieces(opt.rank)
-    return torch.cat([p.detach().reshape(-1)[pc.param_start : pc.param_end] for p, pc in zip(opt._params, pieces)])
+    source = opt._comm_views if opt._view_swapped else opt._params
+    return torch.cat([p.detach().reshape(-1)[pc.param_start : pc.param_end] for p, pc in zip(source, pieces)])
 
 
 def _local_state(opt: "AccoOptimizer", key: str) -> torch.Tensor:
@@ -134,39 +147,106 @@ def _local_state(opt: "AccoOptimizer", key: str) -> torch.Tensor:
 
 
 def _gather_full(opt: "AccoOptimizer", local: torch.Tensor) -> torch.Tensor:
-    """All ranks' slices end to end (length numel). Collective on the rounds' group."""
+    """All ranks' slices end to end (length numel). Collective on the rounds' group (the user's after finish())."""
     s = opt.layout.shard_size
     padded = torch.zeros(s, dtype=local.dtype, device=local.device)
     padded[: local.numel()] = local
     full = torch.empty(opt.layout.padded_numel, dtype=local.dtype, device=local.device)
-    all_gather_flat(full, padded, opt._round_group)
+    all_gather_flat(full, padded, opt._round_group if opt._round_group is not None else opt._group)
     return full[: opt.layout.numel]
+
+
+# ------------------------------------------------------------ what a state dict holds
+
+FORMAT_VERSION = 2
+_COUNTERS = ("num_rounds", "num_updates", "num_skipped_updates", "committed_microbatches", "pending_commit",
+             "commits_handed_off", "holds_estimate", "microbatches_per_update")
+
+
+def describe(opt: "AccoOptimizer") -> Dict[str, Any]:
+    """What a state dict of ``opt`` holds, independent of the world size: format, mode, wrapped optimizer, layout."""
+    cls = opt.optimizer_class
+    digest = hashlib.sha256(repr(opt.layout.shapes).encode()).hexdigest()[:16]
+    return {"format": FORMAT_VERSION, "mode": opt.mode, "optimizer": f"{cls.__module__}.{cls.__qualname__}",
+            "layout": f"{opt.layout.numel} elements in {len(opt.layout.shapes)} tensors, shapes {digest}"}
+
+
+def _encode(meta: Dict[str, Any]) -> Dict[str, torch.Tensor]:
+    """Strings and ints as tensors (DCP stores tensors only; nothing is pickled)."""
+    return {k: torch.tensor(v, dtype=torch.int64) if isinstance(v, int) else torch.tensor(list(str(v).encode()), dtype=torch.uint8)
+            for k, v in meta.items()}
+
+
+def _decode(meta: Dict[str, torch.Tensor]) -> Dict[str, Any]:
+    return {k: int(v.item()) if v.dtype == torch.int64 else bytes(v.tolist()).decode() for k, v in meta.items()}
+
+
+def check_compatible(opt: "AccoOptimizer", saved: Dict[str, Any], rank_shard: bool) -> None:
+    """Refuse a state dict that another optimizer, model, mode or rank wrote, before any state changes."""
+    mine = describe(opt)
+    if saved.get("format") != FORMAT_VERSION:
+        raise ValueError(f"AccoOptimizer state dict of format {saved.get('format')!r}; this acco reads format {FORMAT_VERSION}")
+    for key, fix in (("mode", "build the AccoOptimizer with mode={!r} to resume it"),
+                     ("optimizer", "build the AccoOptimizer around {} to resume it"),
+                     ("layout", "resume with the same model (the same trainable parameters, in the same order): {}")):
+        if saved.get(key) != mine[key]:
+            raise ValueError(
+                f"AccoOptimizer.load_state_dict(): the state dict was written with {key} {saved.get(key)!r}, this "
+                f"optimizer has {mine[key]!r}: {fix.format(saved.get(key))}. Nothing was loaded."
+            )
+    if rank_shard and (saved.get("rank"), saved.get("world_size")) != (opt.rank, opt.world_size):
+        raise ValueError(
+            f"AccoOptimizer.load_state_dict(): this state dict holds the optimizer shard of rank {saved.get('rank')} "
+            f"of {saved.get('world_size')} (opt.state_dict() is this rank's 1/N slice), but this is rank "
+            f"{opt.rank} of {opt.world_size}. Save and load it on every rank, each its own file "
+            "(torch.save(opt.state_dict(), f'optim.rank{rank}.pt')), or use acco.checkpoint.save/load (any number "
+            "of ranks), or opt.consolidated_state_dict() on all ranks. Nothing was loaded."
+        )
+
+
+def _classify(sd: Any) -> str:
+    if isinstance(sd, dict) and isinstance(sd.get("acco"), dict):
+        return "rank_shard"
+    if isinstance(sd, dict) and isinstance(sd.get("meta"), dict) and "master" in sd:
+        return "sharded"
+    if isinstance(sd, dict) and "state" in sd and "param_groups" in sd:
+        raise ValueError(
+            "AccoOptimizer.load_state_dict() got a plain torch optimizer state dict ('state' and 'param_groups', "
+            "e.g. from torch.optim.AdamW(...).state_dict() or opt.consolidated_state_dict()). Load the model's "
+            "weights, then call opt.load_consolidated_state_dict(sd). Nothing was loaded."
+        )
+    keys = sorted(sd) if isinstance(sd, dict) else type(sd).__name__
+    raise ValueError(f"AccoOptimizer.load_state_dict() expects what AccoOptimizer.state_dict() returns; got {keys}")
 
 
 # --------------------------------------------------------------- sharded format
 
 
-def state_dict(opt: "AccoOptimizer") -> Dict[str, Any]:
-    """The sharded, DCP-ready state (see the module docstring). Collective."""
+def state_dict(opt: "AccoOptimizer", sharded: bool = False) -> Dict[str, Any]:
+    """This rank's state (see the module docstring); with ``sharded``, as DTensors for DCP. Local: no collective."""
     _require_boundary(opt, "state_dict")
     opt._collect()  # the in-flight commit: its weights stay pending in the comm buffer
     real = opt.layout.real_numel(opt.rank)
     flat_keys, scalar_keys = _state_keys(opt)
     state = opt.local_optimizer.state
+    wrap = (lambda t: _flat(opt, t)) if sharded else (lambda t: t)
+    counters = [opt.num_rounds, opt.num_updates, opt.num_skipped_updates, opt.committed_microbatches,
+                int(opt._pending is RoundKind.COMMIT), opt._commits_handed_off, int(opt._holds_estimate),
+                opt.microbatches_per_update or 0]
     out: Dict[str, Any] = {
-        "master": _flat(opt, opt._buffers.master[:real].clone()),
-        "params": _flat(opt, _param_slice(opt).clone()),
-        "state": {k: _flat(opt, _local_state(opt, k).clone()) for k in flat_keys},
+        "master": wrap(opt._buffers.master[:real].clone()),
+        "params": wrap(_param_slice(opt).clone()),
+        "state": {k: wrap(_local_state(opt, k).clone()) for k in flat_keys},
         "scalars": {
             k: torch.tensor([float(state[p][k]) for p in opt._pieces], dtype=torch.float64) for k in scalar_keys
         },
         "hyper": {},
-        "counters": torch.tensor(
-            [opt.num_rounds, opt.num_updates, opt.num_skipped_updates, opt.committed_microbatches,
-             int(opt._pending is RoundKind.COMMIT)],
-            dtype=torch.int64,
-        ),
+        "counters": torch.tensor(counters, dtype=torch.int64),
     }
+    if sharded:
+        out["meta"] = _encode(describe(opt))
+    else:
+        out["acco"] = {**describe(opt), "rank": opt.rank, "world_size": opt.world_size}
     for gi, group in enumerate(opt.param_groups):
         for key, value in group.items():
             t = None if key == "params" else _numeric_hyper(value)
@@ -175,7 +255,7 @@ def state_dict(opt: "AccoOptimizer") -> Dict[str, Any]:
     return out
 
 
-def _template(opt: "AccoOptimizer", flat_keys, scalar_keys, hyper_keys) -> Dict[str, Any]:
+def _template(opt: "AccoOptimizer", flat_keys, scalar_keys, hyper_keys, meta_keys) -> Dict[str, Any]:
     """Empty tensors of the right shapes and placement for ``dcp.load`` to fill."""
     real = opt.layout.real_numel(opt.rank)
     dev = opt._buffers.master.device
@@ -186,12 +266,28 @@ def _template(opt: "AccoOptimizer", flat_keys, scalar_keys, hyper_keys) -> Dict[
         "state": {k: _flat(opt, torch.zeros(real, dtype=opt._buffers.master.dtype, device=dev)) for k in flat_keys},
         "scalars": {k: torch.zeros(n, dtype=torch.float64) for k in scalar_keys},
         "hyper": {k: torch.zeros(shape, dtype=torch.float64) for k, shape in hyper_keys.items()},
-        "counters": torch.zeros(5, dtype=torch.int64),
+        "counters": torch.zeros(len(_COUNTERS), dtype=torch.int64),
+        "meta": _meta_template(meta_keys),
     }
 
 
+def _meta_template(meta_keys) -> Dict[str, torch.Tensor]:
+    return {k: torch.zeros(shape, dtype=torch.int64 if len(shape) == 0 else torch.uint8) for k, shape in meta_keys.items()}
+
+
 def load_state_dict(opt: "AccoOptimizer", sd: Dict[str, Any]) -> None:
-    """Restore from :func:`state_dict` output (possibly saved on another world size). Collective."""
+    """Restore :func:`state_dict` output: this rank's own (same world size), or the sharded form through DCP
+    (any world size). Refuses anything else before changing any state. Collective."""
+    kind = _classify(sd)
+    saved = sd["acco"] if kind == "rank_shard" else _decode(sd["meta"])
+    check_compatible(opt, saved, rank_shard=kind == "rank_shard")
+    counters = [int(v) for v in sd["counters"].tolist()]
+    saved_m = counters[7] or None
+    if saved_m is not None and opt.microbatches_per_update not in (None, saved_m):
+        raise ValueError(
+            f"AccoOptimizer.load_state_dict(): the state dict was written with microbatches_per_update={saved_m}, "
+            f"this optimizer has {opt.microbatches_per_update}. Nothing was loaded."
+        )
     _require_boundary(opt, "load_state_dict")
     opt._collect()
     opt._pending = None
@@ -212,20 +308,22 @@ def load_state_dict(opt: "AccoOptimizer", sd: Dict[str, Any]) -> None:
         # The model's weights: each rank has a slice; gather them whole, then the master.
         full = _gather_full(opt, _local(sd["params"]).to(opt.compute_dtype))
         opt.scheduler.install(opt._params, opt.layout.views(full))
-        counters = [int(v) for v in sd["counters"].tolist()]
         opt.num_rounds, opt.num_updates, opt.num_skipped_updates = counters[:3]
         opt._committed_mb.fill_(counters[3])
+        opt._commits_handed_off, opt._holds_estimate = counters[5], bool(counters[6])
+        opt.microbatches_per_update = saved_m if opt.mode == "acco" or saved_m else opt.microbatches_per_update
         if counters[4]:  # a commit was collected at save time: its weights go in at the next hand-off
             opt._comm.zero_()
             opt._comm[: opt.layout.numel].copy_(_gather_full(opt, master[:real].to(opt.compute_dtype)))
             opt._pending = RoundKind.COMMIT
         opt._accum.zero_()
-        opt._grads.zero_()
+        opt._binding.zero_()
     for key, value in sd["hyper"].items():
         gi, name = key.split(".", 1)
         group = opt.param_groups[int(gi)]
         group[name] = _restore_hyper(group.get(name), value)
-    opt._in_accum = opt._since_handoff = 0
+    opt._in_accum = opt._since_handoff = opt._mb_in_update = 0
+    opt._estimate_in_update = False
     opt._at_boundary = True
     opt._update_hyper = opt._hyperparams()
 
@@ -324,7 +422,7 @@ def save(path: str, optimizer: "AccoOptimizer", *, model: Optional[torch.nn.Modu
     import torch.distributed.checkpoint as dcp
 
     group = optimizer._group
-    sd: Dict[str, Any] = {"optim": state_dict(optimizer), "extra": dict(extra or {})}
+    sd: Dict[str, Any] = {"optim": state_dict(optimizer, sharded=True), "extra": dict(extra or {})}
     if model is not None:
         sd["model"] = model.state_dict()
     tmp, old = f"{path}.tmp", f"{path}.old"
@@ -366,8 +464,16 @@ def load(path: str, optimizer: "AccoOptimizer", *, model: Optional[torch.nn.Modu
     flat_keys = [k.split(".", 2)[2] for k in meta if k.startswith("optim.state.")]
     scalar_keys = [k.split(".", 2)[2] for k in meta if k.startswith("optim.scalars.")]
     hyper_keys = {k.split(".", 2)[2]: tuple(meta[k].size) for k in meta if k.startswith("optim.hyper.")}
+    meta_keys = {k.split(".", 2)[2]: tuple(meta[k].size) for k in meta if k.startswith("optim.meta.")}
+    if not meta_keys:
+        raise ValueError(f"{path!r} holds no AccoOptimizer description (optim.meta): not written by acco.checkpoint.save "
+                         f"of this acco version (format {FORMAT_VERSION}). Nothing was loaded.")
+    # What the checkpoint holds is checked before anything (the model included) is touched.
+    head = {"optim": {"meta": _meta_template(meta_keys)}}
+    dcp.load(head, checkpoint_id=path, process_group=optimizer._group, no_dist=not dist.is_initialized())
+    check_compatible(optimizer, _decode(head["optim"]["meta"]), rank_shard=False)
     sd: Dict[str, Any] = {
-        "optim": _template(optimizer, flat_keys, scalar_keys, hyper_keys),
+        "optim": _template(optimizer, flat_keys, scalar_keys, hyper_keys, meta_keys),
         "extra": {k: v.clone() for k, v in (extra or {}).items()},
     }
     if model is not None:

@@ -240,6 +240,7 @@ class AccoOptimizer(torch.optim.Optimizer):
         self._finished = False
         self._failed: Optional[BaseException] = None
         self._in_committed_view = False
+        self._view_swapped = False
         self.num_rounds = 0  # rounds handed off
         self.num_updates = 0  # committed updates now in the model
         self._commits_handed_off = 0
@@ -506,20 +507,22 @@ class AccoOptimizer(torch.optim.Optimizer):
                 "AccoOptimizer.step() without a backward() since the last step(): one step() is one update "
                 "of the gradients of the backward() calls before it"
             )
-        first = False
+        synchronous = self.mode == "sync"
         if self.mode == "acco" and self.microbatches_per_update is None:
             self._learn_microbatches(m)
-            first = True
-        elif self.microbatches_per_update is not None and m != self.microbatches_per_update:
+            synchronous = True
+        elif self.microbatches_per_update is not None and m > self.microbatches_per_update:
             raise RuntimeError(
-                f"AccoOptimizer.step() after {m} backward() call(s), but this optimizer takes "
-                f"microbatches_per_update={self.microbatches_per_update}: run the same number of micro-batches "
-                "(backward() calls) before every step()"
+                f"AccoOptimizer.step() after {m} backward() calls, but this optimizer takes "
+                f"microbatches_per_update={self.microbatches_per_update} (fewer are fine, e.g. at the end of an "
+                "epoch): call step() after that many, or build the optimizer with the number you run"
             )
+        elif self.mode == "acco" and not self._estimate_in_update:
+            synchronous = True  # a short update (fewer than half the micro-batches): no estimate, no overlap
         if not self._estimate_in_update:
             self._update_hyper = self._hyperparams()
         self._handoff(RoundKind.COMMIT, m, 1.0 / self.world_size)
-        if self.mode == "sync" or first:
+        if synchronous:
             self._collect()
             self._install_pending()
         self._mb_in_update = 0
@@ -590,10 +593,11 @@ class AccoOptimizer(torch.optim.Optimizer):
         if swap:
             self._swap_pending()
         self._in_committed_view = True
+        self._view_swapped = swap  # the comm buffer holds the model's own weights meanwhile (checkpoints read them)
         try:
             yield
         finally:
-            self._in_committed_view = False
+            self._in_committed_view = self._view_swapped = False
             if swap:
                 self._swap_pending()
 
@@ -752,16 +756,23 @@ class AccoOptimizer(torch.optim.Optimizer):
     # ------------------------------------------------------------------ checkpoints
 
     def state_dict(self) -> Dict[str, Any]:
-        """Sharded state for ``torch.distributed.checkpoint`` (see :mod:`acco.checkpoint`).
+        """This rank's shard of the state, with what it is (rank, world size, mode, optimizer, layout).
 
-        Take it at an update boundary (``at_update_boundary``); it waits for the
-        in-flight round. Collective: call on all ranks.
+        For ``torch.save`` on every rank, each its own file; for any world size
+        use :mod:`acco.checkpoint` (DCP). Take it between a ``step()`` and the
+        next ``backward()`` (``at_update_boundary``); it waits for the in-flight
+        round. Local: no collective.
         """
         return _checkpoint.state_dict(self)
 
+    def sharded_state_dict(self) -> Dict[str, Any]:
+        """The state as 1-D DTensors for ``torch.distributed.checkpoint`` (any world size at load). Local."""
+        return _checkpoint.state_dict(self, sharded=True)
+
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
-        """Restore a :meth:`state_dict`, saved on any number of ranks; also restores the
-        model's parameters. Collective: call on all ranks."""
+        """Restore :meth:`state_dict` (this rank's, same world size) or :meth:`sharded_state_dict`
+        (through DCP, any world size); also restores the model's parameters. Refuses anything else
+        before changing any state. Collective: call on all ranks."""
         _checkpoint.load_state_dict(self, state_dict)
 
     def consolidated_state_dict(self) -> Dict[str, Any]:
