@@ -86,7 +86,7 @@ class Runner:
         if m in ("acco", "acco-acc", "dpu", "sync"):
             mode = "acco" if m.startswith("acco") else m
             lo, hi = (2, 2) if m == "sync" else (1, 1)
-            self.opt = AccoOptimizer(model.parameters(), mode=mode, min_microbatches=lo,
+            self.opt = AccoOptimizer(model.parameters(), mode=mode, accumulate_while_communicating=True, min_microbatches=lo,
                                      max_microbatches=None if m == "acco-acc" else hi, **kw)
         elif m == "ddp-zero":
             from torch.distributed.optim import ZeroRedundancyOptimizer

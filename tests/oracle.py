@@ -7,7 +7,7 @@ the wrapped optimizer runs on full tensors. The fast path is tested against it.
 from __future__ import annotations
 
 import copy
-from typing import Callable, List, Sequence
+from typing import Callable, List, Optional, Sequence
 
 import torch
 
@@ -86,3 +86,71 @@ def reference_run(
     if pending is not None and pending[1] == "commit":
         model = pending[0]
     return after_step, [t.clone() for t in model]
+
+
+def update_run(
+    theta0: Tensors,
+    make_opt: MakeOpt,
+    mode: str,
+    grad_fn: GradFn,
+    n_ranks: int,
+    n_updates: int,
+    m: int,
+    learned: bool = False,
+    lr_at: Optional[Callable[[int], float]] = None,
+):
+    """One ``step()`` per update of ``m`` micro-batches per rank (``algorithm.md``, "Hand-offs in the user's loop").
+
+    ``grad_fn`` gives the gradient of the user's loss as the user scales it. An
+    update's gradient is the ranks' mean of their summed ``.grad`` (what DDP
+    all-reduces); an estimate extrapolates its ``h = m // 2`` micro-batches to
+    ``m``. ``learned``: mode acco learned ``m`` from a first update that ran
+    synchronously. ``lr_at(t)``: the learning rate of update ``t`` (a scheduler
+    stepped after each ``step()``).
+
+    Returns ``(after_step, committed, final)``: the model after each ``step()``
+    (the same on every rank), the committed weights after each ``step()``
+    (``opt.committed_weights()``), and the model after ``finish()``.
+    """
+    theta = [t.detach().clone() for t in theta0]
+    opt = make_opt(theta)
+    model = [t.clone() for t in theta]
+    pending = None  # the in-flight commit's result
+    nxt = [0] * n_ranks
+    after_step: List[Tensors] = []
+    committed: List[Tensors] = []
+    h = m // 2
+
+    def accumulate(accum: Tensors, count: int) -> None:
+        for r in range(n_ranks):
+            for _ in range(count):
+                for a, g in zip(accum, grad_fn(r, nxt[r], model)):
+                    a += g
+                nxt[r] += 1
+
+    for t in range(n_updates):
+        if lr_at is not None:
+            for g in opt.param_groups:
+                g["lr"] = lr_at(t)
+        accum = [torch.zeros_like(x) for x in theta]
+        if mode == "acco" and not (learned and t == 0):
+            accumulate(accum, h)
+            if pending is not None:  # hand-off of the estimate: theta_t into the model
+                model, pending = [x.clone() for x in pending], None
+            estimate = _opt_star(opt, make_opt, theta, [a * (m / h) / n_ranks for a in accum])
+            accumulate(accum, m - h)
+            model = estimate  # step(): theta~_{t+1} into the model, the commit in flight
+            _opt_step(opt, theta, [a / n_ranks for a in accum])
+            pending = [x.detach().clone() for x in theta]
+        else:
+            accumulate(accum, m)
+            if mode == "dpu" and pending is not None:
+                model = [x.clone() for x in pending]
+            _opt_step(opt, theta, [a / n_ranks for a in accum])
+            pending = [x.detach().clone() for x in theta]
+            if mode == "sync" or (mode == "acco" and learned and t == 0):
+                model, pending = pending, None
+        after_step.append([x.clone() for x in model])
+        committed.append([x.clone() for x in (pending if pending is not None else model)])
+    final = pending if pending is not None else model
+    return after_step, committed, [x.clone() for x in final]

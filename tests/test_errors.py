@@ -35,6 +35,13 @@ CASES = [
     ("bad kwarg", lambda: (make_model().parameters(),), {"momentum": 0.9}, TypeError, "momentum"),
     ("max_grad_norm <= 0", lambda: (make_model().parameters(),), {"max_grad_norm": 0.0}, ValueError, "max_grad_norm"),
     ("unknown nonfinite policy", lambda: (make_model().parameters(),), {"nonfinite": "ignore"}, ValueError, "'ignore'"),
+    ("acco with one micro-batch per update", lambda: (make_model().parameters(),), {"microbatches_per_update": 1}, ValueError, "two halves.*mode='dpu'"),
+    ("microbatches_per_update 0", lambda: (make_model().parameters(),), {"mode": "sync", "microbatches_per_update": 0}, ValueError, "microbatches_per_update"),
+    ("max_microbatches without accumulating", lambda: (make_model().parameters(),), {"max_microbatches": 2}, ValueError, "only with accumulate_while_communicating=True"),
+    ("per-update count while accumulating", lambda: (make_model().parameters(),), {"microbatches_per_update": 2, "accumulate_while_communicating": True}, ValueError, "one or the other"),
+    ("accumulate flag not a bool", lambda: (make_model().parameters(),), {"accumulate_while_communicating": "yes"}, TypeError, "True or False"),
+    ("buffers a single tensor", lambda: (make_model().parameters(),), {"buffers": torch.zeros(2)}, TypeError, "model.buffers"),
+    ("buffers not tensors", lambda: (make_model().parameters(),), {"buffers": [1.0]}, TypeError, "model.buffers"),
     ("int compute dtype", lambda: (make_model().parameters(),), {"compute_dtype": torch.int8}, TypeError, "compute_dtype"),
 ]
 
@@ -49,7 +56,7 @@ def test_bad_input_raises_clear_error(name, args, kwargs, exc, match):
 def test_step_after_finish_raises():
     """Check that step() after finish() raises instead of training on a closed optimizer."""
     model = make_model()
-    opt = AccoOptimizer(model.parameters(), lr=1e-2)
+    opt = AccoOptimizer(model.parameters(), mode="sync", lr=1e-2)
     loss_fn(model, 0, 0).backward()
     opt.step()
     opt.finish()
@@ -82,7 +89,7 @@ def test_models_that_differ_across_ranks_fail_on_every_rank():
 
 def _failing_worker(rank: int, world: int) -> None:
     model = make_model()
-    opt = AccoOptimizer(model.parameters(), lr=1e-2)
+    opt = AccoOptimizer(model.parameters(), mode="dpu", lr=1e-2)
     for i in range(100):
         if rank == 1 and i == 2:
             raise ValueError("rank 1 breaks down")

@@ -43,7 +43,8 @@ def _overlap_worker(rank: int, world: int, mode: str) -> list:
 
     rounds.reduce_scatter_flat, rounds.all_gather_flat = held_reduce_scatter, logged_all_gather
     model = make_model()
-    opt = AccoOptimizer(model.parameters(), mode=mode, lr=1e-2)
+    # acco: two micro-batches per update; the end of the first one's backward hands off round 0 (the estimate).
+    opt = AccoOptimizer(model.parameters(), mode=mode, lr=1e-2, microbatches_per_update=2 if mode == "acco" else None)
     opt.local_optimizer.register_step_pre_hook(lambda *_: note("opt_step_start"))
     opt.local_optimizer.register_step_post_hook(lambda *_: note("opt_step_end"))
 
@@ -58,8 +59,9 @@ def _overlap_worker(rank: int, world: int, mode: str) -> list:
         note("backward_end")
         return grad
 
-    loss_fn(model, rank, 0).backward()
-    opt.step()  # hands off round 0, returns while it is held
+    loss_fn(model, rank, 0).backward()  # acco: hands off round 0 at the end of this backward
+    if mode != "acco":
+        opt.step()  # hands off round 0, returns while it is held
     note("step_returned")
     x = model.fc1.weight * 1.0  # micro-batch 1: its backward hosts round 0
     x.register_hook(during_backward)

@@ -96,7 +96,9 @@ def test_parameter_addresses_never_change():
     ptrs = [p.data_ptr() for p in model.parameters()]
     opt = AccoOptimizer(model.parameters(), lr=1e-2)
     for i in range(5):
-        loss_fn(model, 0, i).backward()
+        loss_fn(model, 0, 2 * i).backward()
+        assert [p.data_ptr() for p in model.parameters()] == ptrs  # after the estimate hand-off
+        loss_fn(model, 0, 2 * i + 1).backward()
         opt.step()
         assert [p.data_ptr() for p in model.parameters()] == ptrs
     opt.finish()

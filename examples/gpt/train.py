@@ -110,7 +110,8 @@ class Trainer:
         else:
             self.net = model
             max_mb = args.max_microbatches or None
-            self.opt = AccoOptimizer(groups, torch.optim.AdamW, mode=args.optimizer, max_microbatches=max_mb, **kw)
+            self.opt = AccoOptimizer(groups, torch.optim.AdamW, mode=args.optimizer, accumulate_while_communicating=True,
+                                     max_microbatches=max_mb, **kw)
             self.micro = args.batch // 2 if args.optimizer == "acco" else args.batch
         if self.micro < 1:
             raise SystemExit(f"--batch {args.batch} is too small for {args.optimizer}")

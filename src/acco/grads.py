@@ -67,7 +67,7 @@ class GradBinding:
         """Post-accumulate-grad hook body for parameter ``i``: keep ``p.grad`` in the buffer."""
         p = self.params[i]
         g = p.grad
-        if g is not None and g.data_ptr() == self._ptrs[i] and not g.is_sparse:
+        if g is not None and not g.is_sparse and g.data_ptr() == self._ptrs[i]:
             return
         self.check_placement(i)
         view = self._rebind(i)

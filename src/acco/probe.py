@@ -96,7 +96,7 @@ def measure_round(numel: int, dtype: torch.dtype, device: torch.device, rounds: 
     from .optimizer import AccoOptimizer
 
     param = torch.nn.Parameter(torch.zeros(numel, dtype=dtype, device=device))
-    opt = AccoOptimizer([param], mode="sync", lr=1e-6)
+    opt = AccoOptimizer([param], mode="sync", accumulate_while_communicating=True, lr=1e-6)  # step() without backward
     for _ in range(warmup + rounds):
         param.grad.fill_(1e-3)
         opt.step()  # sync: the round runs to completion

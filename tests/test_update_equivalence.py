@@ -1,0 +1,101 @@
+"""One step() per update (the drop-in contract), multi-rank, against the oracle.
+
+The user's loop: ``backward()`` on each of ``m`` micro-batches (loss scaled by
+``1/m``, as users do), one ``step()``, ``zero_grad()``; in mode acco the
+estimate round is handed off by the end of the backward that completes the
+first half. One spawn per world size runs every configuration.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+import torch
+
+from _dist import run_ranks
+from oracle import update_run
+from tinynet import flat, flat_list, grad_fn, loss_fn, make_model, rel_err
+
+from acco import AccoOptimizer
+
+TOL = 1e-5
+UPDATES = 5
+OPTIMIZERS = {
+    "adamw": (torch.optim.AdamW, dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)),
+    "sgd_momentum": (torch.optim.SGD, dict(lr=5e-2, momentum=0.9, weight_decay=0.01)),
+}
+# (name, mode, micro-batches per update, given to the optimizer?, schedule)
+CONFIGS = [(f"{o}/{mode}/m2", o, mode, 2, True, False) for o in OPTIMIZERS for mode in ("acco", "dpu", "sync")]
+CONFIGS += [
+    ("adamw/acco/m3", "adamw", "acco", 3, True, False),  # halves of 1 and 2 micro-batches
+    ("adamw/acco/m4-learned", "adamw", "acco", 4, False, False),  # first update synchronous
+    ("adamw/sync/m1", "adamw", "sync", 1, False, False),
+    ("adamw/dpu/m1", "adamw", "dpu", 1, False, False),
+    ("adamw/acco/m2-lambdalr", "adamw", "acco", 2, True, True),  # scheduler stepped after every step()
+]
+
+
+def _lr(t: int) -> float:
+    return 1e-2 * (1.0 - t / (2 * UPDATES))
+
+
+def _worker(rank: int, world: int) -> dict:
+    out = {}
+    for name, opt_name, mode, m, given, schedule in CONFIGS:
+        cls, kw = OPTIMIZERS[opt_name]
+        model = make_model()
+        theta0 = [p.detach().clone() for p in model.parameters()]
+        opt = AccoOptimizer(model.parameters(), cls, mode=mode, microbatches_per_update=m if given else None, **kw)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: _lr(t) / 1e-2) if schedule else None
+        traj, committed = [], []
+        for t in range(UPDATES):
+            for j in range(m):
+                (loss_fn(model, rank, t * m + j) / m).backward()
+            opt.step()
+            if sched is not None:
+                sched.step()
+            opt.zero_grad()
+            traj.append(flat(model))
+            with opt.committed_weights():
+                committed.append(flat(model))
+            assert torch.equal(flat(model), traj[-1]), "committed_weights() must put back what the model held"
+        opt.finish()
+        final = flat(model)
+
+        def scaled(r, i, w, m=m):
+            return [g / m for g in grad_fn(r, i, w)]
+
+        ref_steps, ref_committed, ref_final = update_run(
+            theta0, lambda ps: cls(ps, **kw), mode, scaled, world, UPDATES, m, learned=not given and mode == "acco",
+            lr_at=_lr if schedule else None)
+        out[name] = {
+            "step_err": max(rel_err(a, flat_list(b)) for a, b in zip(traj, ref_steps)),
+            "committed_err": max(rel_err(a, flat_list(b)) for a, b in zip(committed, ref_committed)),
+            "final_err": rel_err(final, flat_list(ref_final)),
+            "moved": (final - flat_list(theta0)).abs().max().item(),
+            "updates": opt.num_updates,
+            "learned_m": opt.microbatches_per_update,
+        }
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _results(world: int):
+    return run_ranks(_worker, world)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("name", [c[0] for c in CONFIGS])
+def test_one_step_per_update_matches_oracle(world, name):
+    """Check the model after every step(), the committed weights and the model after finish() against the oracle."""
+    mode_m = {c[0]: (c[2], c[3]) for c in CONFIGS}[name]
+    for rank, res in enumerate(_results(world)):
+        r = res[name]
+        assert r["updates"] == UPDATES, r
+        assert r["moved"] > 1e-3, "the weights must actually change for the comparison to mean anything"
+        assert r["step_err"] < TOL, f"rank {rank}: {r}"
+        assert r["committed_err"] < TOL, f"rank {rank}: {r}"
+        assert r["final_err"] < TOL, f"rank {rank}: {r}"
+        if mode_m[0] == "acco":
+            assert r["learned_m"] == mode_m[1]
