@@ -204,6 +204,23 @@ def check_compatible(opt: "AccoOptimizer", saved: Dict[str, Any], rank_shard: bo
         )
 
 
+def _agree(opt: "AccoOptimizer", error: Optional[BaseException]) -> None:
+    """Raise on every rank if any rank refused its state dict, before any collective of the load
+    (one rank loading while another refused would leave the ranks in different collectives). Collective."""
+    if opt._group is None:
+        if error is not None:
+            raise error
+        return
+    refused = [r for r, row in enumerate(opt._all_gather_row([int(error is not None)])) if row[0]]
+    if error is not None:
+        raise error
+    if refused:
+        raise ValueError(
+            f"AccoOptimizer.load_state_dict(): rank(s) {refused} refused their state dict (their error says why); "
+            "nothing was loaded on any rank"
+        )
+
+
 def _classify(sd: Any) -> str:
     if isinstance(sd, dict) and isinstance(sd.get("acco"), dict):
         return "rank_shard"
@@ -278,17 +295,22 @@ def _meta_template(meta_keys) -> Dict[str, torch.Tensor]:
 def load_state_dict(opt: "AccoOptimizer", sd: Dict[str, Any]) -> None:
     """Restore :func:`state_dict` output: this rank's own (same world size), or the sharded form through DCP
     (any world size). Refuses anything else before changing any state. Collective."""
-    kind = _classify(sd)
-    saved = sd["acco"] if kind == "rank_shard" else _decode(sd["meta"])
-    check_compatible(opt, saved, rank_shard=kind == "rank_shard")
-    counters = [int(v) for v in sd["counters"].tolist()]
-    saved_m = counters[7] or None
-    if saved_m is not None and opt.microbatches_per_update not in (None, saved_m):
-        raise ValueError(
-            f"AccoOptimizer.load_state_dict(): the state dict was written with microbatches_per_update={saved_m}, "
-            f"this optimizer has {opt.microbatches_per_update}. Nothing was loaded."
-        )
-    _require_boundary(opt, "load_state_dict")
+    error: Optional[BaseException] = None
+    try:
+        kind = _classify(sd)
+        saved = sd["acco"] if kind == "rank_shard" else _decode(sd["meta"])
+        check_compatible(opt, saved, rank_shard=kind == "rank_shard")
+        counters = [int(v) for v in sd["counters"].tolist()]
+        saved_m = counters[7] or None
+        if saved_m is not None and opt.microbatches_per_update not in (None, saved_m):
+            raise ValueError(
+                f"AccoOptimizer.load_state_dict(): the state dict was written with microbatches_per_update="
+                f"{saved_m}, this optimizer has {opt.microbatches_per_update}. Nothing was loaded."
+            )
+        _require_boundary(opt, "load_state_dict")
+    except (ValueError, RuntimeError) as exc:
+        error = exc
+    _agree(opt, error)
     opt._collect()
     opt._pending = None
     real = opt.layout.real_numel(opt.rank)

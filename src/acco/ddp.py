@@ -23,8 +23,9 @@ from torch.nn.parallel import DistributedDataParallel
 __all__ = ["disable_gradient_allreduce", "check_not_reducing_twice"]
 
 
-def _no_allreduce(state: object, bucket: dist.GradBucket) -> torch.futures.Future:
-    """DDP comm hook: no communication; the bucket's gradients stay this rank's (AccoOptimizer averages them)."""
+def _no_allreduce(state, bucket):  # no annotations: DDP compares them with the real classes, not strings
+    """DDP comm hook (``bucket``: a ``dist.GradBucket``): no communication; the bucket's gradients stay this
+    rank's, AccoOptimizer averages them."""
     fut: torch.futures.Future = torch.futures.Future()
     fut.set_result(bucket.buffer())
     return fut

@@ -504,8 +504,10 @@ class AccoOptimizer(torch.optim.Optimizer):
         m = self._mb_in_update
         if m == 0:
             raise RuntimeError(
-                "AccoOptimizer.step() without a backward() since the last step(): one step() is one update "
-                "of the gradients of the backward() calls before it"
+                "AccoOptimizer.step(): no gradient reached this optimizer's parameters since the last step(). "
+                "Either no backward() ran (one step() is one update of the backward() calls before it), or the "
+                "model's parameters were replaced after AccoOptimizer was built (model.to() to another device "
+                "type, load_state_dict(assign=True), ...): build the optimizer after moving the model"
             )
         synchronous = self.mode == "sync"
         if self.mode == "acco" and self.microbatches_per_update is None:

@@ -1,0 +1,363 @@
+"""Drop-in behaviour: what a user's loop may do, and what fails loudly (one process unless said).
+
+One step() per update; model moves; .grad changed behind the optimizer's back;
+committed weights; state dicts that refuse the wrong place; DDP; buffers.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from _dist import run_ranks
+from tinynet import flat, loss_fn, make_model
+
+import acco
+from acco import AccoOptimizer
+from acco.grads import ModelMovedError
+
+KW = dict(lr=1e-2, weight_decay=0.1)
+
+
+def _train(model, opt, updates=4, m=2, start=0, between=None):
+    for t in range(start, start + updates):
+        for j in range(m):
+            (loss_fn(model, 0, t * m + j) / m).backward()
+            if between is not None and j == m - 1:
+                between(t)
+        opt.step()
+        model.zero_grad()
+
+
+# ----------------------------------------------------------------------------- the model may move
+
+
+@pytest.mark.parametrize("mode", ["acco", "dpu", "sync"])
+@pytest.mark.parametrize("move", ["cpu:0", "device cpu 0", "float", "between backward and step"])
+def test_model_moved_on_the_same_device_keeps_training(mode, move):
+    """Check that model.to('cpu:0') (as Trainer and accelerate do) and friends give the same run as no move."""
+    ref_model = make_model()
+    ref_opt = AccoOptimizer(ref_model.parameters(), mode=mode, **KW)
+    _train(ref_model, ref_opt)
+    ref_opt.finish()
+
+    model = make_model()
+    opt = AccoOptimizer(model.parameters(), mode=mode, **KW)
+    between = None
+    if move == "cpu:0":
+        model.to("cpu:0")  # new storage for every parameter and .grad (Module._apply copies)
+    elif move == "device cpu 0":
+        model.to(torch.device("cpu", 0))
+    elif move == "float":
+        model.float()
+    else:
+        between = lambda t: model.to("cpu:0" if t % 2 == 0 else "cpu")  # noqa: E731
+    _train(model, opt, between=between)
+    opt.finish()
+    assert (flat(model) - flat(make_model())).abs().max() > 1e-3
+    assert torch.equal(flat(model), flat(ref_model))
+
+
+@pytest.mark.parametrize("cast", ["double", "bfloat16", "meta device"])
+def test_model_moved_to_another_dtype_or_device_raises(cast):
+    """Check that a parameter cast or moved to another device after construction fails at the next backward."""
+    model = make_model()
+    opt = AccoOptimizer(model.parameters(), **KW)
+    x = torch.randn(4, 5)
+    if cast == "double":
+        model.double()
+        x = x.double()
+    elif cast == "bfloat16":
+        model.bfloat16()
+        x = x.bfloat16()
+    else:  # another kind of tensor: Module._apply makes new Parameter objects, the optimizer's see no gradient
+        model.to("meta")
+        model(x.to("meta")).sum().backward()
+        with pytest.raises(RuntimeError, match="parameters were replaced.*build the optimizer after moving the model"):
+            opt.step()
+        return
+    with pytest.raises(ModelMovedError, match="before building AccoOptimizer"):
+        model(x).sum().backward()
+    assert opt.num_rounds == 0
+
+
+# ----------------------------------------------------------------------------- .grad is the optimizer's
+
+
+def test_clipping_grad_between_backward_and_step_raises():
+    """Check that clip_grad_norm_ on .grad (the local gradient here) is refused, pointing to max_grad_norm."""
+    model = make_model()
+    opt = AccoOptimizer(model.parameters(), mode="sync", **KW)
+    loss_fn(model, 0, 0).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+    with pytest.raises(RuntimeError, match="modified in place.*max_grad_norm"):
+        opt.step()
+    assert opt.num_rounds == 0
+
+
+def test_replacing_grad_between_backward_and_step_raises():
+    """Check that a .grad replaced by another tensor is refused (the optimizer reads its own buffer)."""
+    model = make_model()
+    opt = AccoOptimizer(model.parameters(), mode="dpu", **KW)
+    loss_fn(model, 0, 0).backward()
+    model.fc1.weight.grad = model.fc1.weight.grad.clone() * 2
+    with pytest.raises(RuntimeError, match="replaced by another tensor"):
+        opt.step()
+
+
+def test_acco_with_one_backward_per_step_says_what_to_do():
+    """Check that mode acco with one micro-batch per step() raises, naming the two ways out."""
+    model = make_model()
+    opt = AccoOptimizer(model.parameters(), **KW)
+    loss_fn(model, 0, 0).backward()
+    with pytest.raises(ValueError, match="two halves.*half the size.*mode='dpu' or mode='sync'"):
+        opt.step()
+
+
+def test_step_without_backward_raises():
+    """Check that step() with no backward() since the last step() is an error, not an empty update."""
+    model = make_model()
+    opt = AccoOptimizer(model.parameters(), mode="sync", **KW)
+    with pytest.raises(RuntimeError, match="no gradient reached"):
+        opt.step()
+
+
+def test_more_microbatches_than_declared_raise_and_fewer_are_a_short_update():
+    """Check m > microbatches_per_update raises; m < it (end of an epoch) is one update, run synchronously."""
+    model = make_model()
+    opt = AccoOptimizer(model.parameters(), microbatches_per_update=4, **KW)
+    _train(model, opt, updates=2, m=4)
+    _train(model, opt, updates=1, m=1, start=10)  # short: fewer than half, no estimate
+    assert opt.num_updates == 3 and opt.holds_committed_weights
+    _train(model, opt, updates=1, m=3, start=20)  # 3 of 4: the estimate after 2, then the commit
+    assert opt.num_rounds == 2 + 2 + 1 + 2
+    for j in range(5):
+        loss_fn(model, 0, 100 + j).backward()
+    with pytest.raises(RuntimeError, match="after 5 backward.*microbatches_per_update=4"):
+        opt.step()
+
+
+def test_lr_scheduler_stepped_after_step_counts_updates():
+    """Check that a scheduler stepped after every step() moves once per update, and rounds use its rate."""
+    model = make_model()
+    opt = AccoOptimizer(model.parameters(), **KW)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0 / (1 + t))
+    used = []
+    opt.local_optimizer.register_step_pre_hook(lambda o, *_: used.append(o.param_groups[0]["lr"]))
+    for t in range(4):
+        for j in range(2):
+            loss_fn(model, 0, 2 * t + j).backward()
+        opt.step()
+        sched.step()
+    opt.finish()
+    # update 0 is synchronous (microbatches_per_update learned), then estimate + commit per update
+    assert used == pytest.approx([1e-2, 1e-2 / 2, 1e-2 / 2, 1e-2 / 3, 1e-2 / 3, 1e-2 / 4, 1e-2 / 4])
+
+
+# ----------------------------------------------------------------------------- committed weights
+
+
+def test_committed_weights_block_refuses_training():
+    """Check that backward() or step() inside committed_weights() raise, and the block nests."""
+    model = make_model()
+    opt = AccoOptimizer(model.parameters(), microbatches_per_update=2, **KW)
+    _train(model, opt, updates=2)
+    assert not opt.holds_committed_weights
+    before = flat(model)
+    with opt.committed_weights():
+        inside = flat(model)
+        with opt.committed_weights():
+            assert torch.equal(flat(model), inside)
+        with pytest.raises(RuntimeError, match="inside opt.committed_weights"):
+            loss_fn(model, 0, 99).backward()
+        with pytest.raises(RuntimeError, match="inside opt.committed_weights"):
+            opt.step()
+    assert not torch.equal(inside, before)  # theta, then theta~ back
+    assert torch.equal(flat(model), before)
+    opt.finish()
+    assert torch.equal(flat(model), inside)  # finish() leaves the committed weights
+
+
+# ----------------------------------------------------------------------------- state dicts
+
+
+def _state(opt, model):
+    return flat(model), opt._buffers.master.clone(), opt.num_updates
+
+
+@pytest.mark.parametrize("case", ["mode", "optimizer", "model", "plain adamw", "garbage"])
+def test_load_state_dict_refuses_the_wrong_place_and_changes_nothing(case):
+    """Check that a state dict of another mode / optimizer / model, or a plain one, is refused untouched."""
+    src_model = make_model()
+    src = AccoOptimizer(src_model.parameters(), mode="acco", **KW)
+    _train(src_model, src, updates=2)
+    sd = src.state_dict()
+    match = {"mode": "mode 'acco'.*mode='acco'", "optimizer": "torch.optim.adamw.AdamW",
+             "model": "same model", "plain adamw": "load_consolidated_state_dict", "garbage": "expects what"}[case]
+    model = make_model(seed=1)
+    if case == "model":
+        model = nn.Sequential(nn.Linear(5, 7))
+    opt = AccoOptimizer(model.parameters(), torch.optim.SGD if case == "optimizer" else torch.optim.AdamW,
+                        mode="sync" if case == "mode" else "acco", microbatches_per_update=2, lr=1e-2)
+    if case == "plain adamw":
+        plain = torch.optim.AdamW(make_model().parameters())
+        sd = plain.state_dict()
+    elif case == "garbage":
+        sd = {"model": 1}
+    before = _state(opt, model)
+    with pytest.raises(ValueError, match=match):
+        opt.load_state_dict(sd)
+    after = _state(opt, model)
+    assert torch.equal(before[0], after[0]) and torch.equal(before[1], after[1]) and before[2] == after[2]
+
+
+def test_torch_save_of_each_ranks_state_dict_resumes_exactly(tmp_path):
+    """Check that torch.save(opt.state_dict()) / torch.load(weights_only=True) resumes the uninterrupted run."""
+    ref_model = make_model()
+    ref = AccoOptimizer(ref_model.parameters(), **KW)
+    _train(ref_model, ref, updates=6)
+    ref.finish()
+
+    model = make_model()
+    opt = AccoOptimizer(model.parameters(), **KW)
+    _train(model, opt, updates=3)
+    with opt.committed_weights():
+        torch.save(model.state_dict(), tmp_path / "model.pt")  # the committed weights
+    torch.save(opt.state_dict(), tmp_path / "optim.rank0.pt")
+    opt.finish()
+
+    model2 = make_model(seed=5)
+    model2.load_state_dict(torch.load(tmp_path / "model.pt", weights_only=True))
+    opt2 = AccoOptimizer(model2.parameters(), **KW)
+    opt2.load_state_dict(torch.load(tmp_path / "optim.rank0.pt", weights_only=True))
+    assert opt2.next_update_index == 3 and opt2.microbatches_per_update == 2
+    _train(model2, opt2, updates=3, start=3)
+    opt2.finish()
+    assert torch.equal(flat(model2), flat(ref_model))
+
+
+def _rank_worker(rank: int, world: int) -> dict:
+    model = make_model()
+    opt = AccoOptimizer(model.parameters(), mode="acco", microbatches_per_update=2, **KW)
+    for t in range(3):
+        for j in range(2):
+            (loss_fn(model, rank, 2 * t + j) / 2).backward()
+        opt.step()
+    sd = opt.state_dict()
+    # rank 1 is handed rank 0's shard (a torch.save on rank 0 only, loaded everywhere)
+    objs = [sd]
+    torch.distributed.broadcast_object_list(objs, src=0)
+    before = flat(model).clone(), opt._buffers.master.clone()
+    out = {"rank": rank}
+    try:
+        opt.load_state_dict(objs[0])
+        out["error"] = None
+    except ValueError as exc:
+        out["error"] = str(exc)
+    out["unchanged"] = torch.equal(before[0], flat(model)) and torch.equal(before[1], opt._buffers.master)
+    full = opt.consolidated_state_dict()
+    opt.finish()
+    after = opt.consolidated_state_dict()  # the documented way out still works after finish()
+    out["consolidated_after_finish"] = all(
+        torch.equal(full["state"][i][k], after["state"][i][k]) for i in full["state"] for k in ("exp_avg", "exp_avg_sq"))
+    return out
+
+
+def test_a_shard_loaded_on_another_rank_is_refused_and_consolidation_works_after_finish():
+    """Check rank 0's state dict is refused on rank 1 (and accepted on rank 0), and consolidated_state_dict() after finish()."""
+    r0, r1 = run_ranks(_rank_worker, 2)
+    assert "rank(s) [1] refused" in r0["error"] and r0["unchanged"], r0  # every rank raises, none loads
+    assert r1["error"] is not None and "rank 0 of 2" in r1["error"] and "rank 1 of 2" in r1["error"], r1
+    assert "acco.checkpoint.save" in r1["error"] and r1["unchanged"]
+    assert r0["consolidated_after_finish"] and r1["consolidated_after_finish"]
+
+
+# ----------------------------------------------------------------------------- DDP and buffers
+
+
+class BNNet(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc1, self.bn, self.fc2 = nn.Linear(5, 6), nn.BatchNorm1d(6), nn.Linear(6, 3)
+
+    def forward(self, x):
+        return self.fc2(torch.tanh(self.bn(self.fc1(x))))
+
+
+def _bn_loss(model, rank, i):
+    g = torch.Generator().manual_seed(1000 * rank + i + 1)
+    x = torch.randn(8, 5, generator=g) * (1 + rank)  # the ranks see different statistics
+    return model(x).pow(2).mean()
+
+
+def _allreduces(prof) -> int:
+    return sum(1 for e in prof.events() if "allreduce" in e.name.lower())
+
+
+def _ddp_worker(rank: int, world: int) -> dict:
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    out = {}
+    # torch DDP + AdamW: the reference (it broadcasts rank 0's buffers at every forward)
+    ref = DDP(BNNet())
+    ref_opt = torch.optim.AdamW(ref.parameters(), **KW)
+    with torch.profiler.profile() as prof:
+        for i in range(4):
+            _bn_loss(ref, rank, i).backward()
+            ref_opt.step()
+            ref_opt.zero_grad()
+    out["ddp_allreduces"] = _allreduces(prof)
+    # DDP-wrapped, all-reduce not switched off: refused at the first step
+    model = BNNet()
+    opt = AccoOptimizer(model.parameters(), mode="sync", buffers=model.buffers(), **KW)
+    wrapped = DDP(model)
+    _bn_loss(wrapped, rank, 0).backward()
+    try:
+        opt.step()
+        out["refused"] = None
+    except RuntimeError as exc:
+        out["refused"] = str(exc)
+    opt.finish()
+    # DDP-wrapped with its all-reduce off: no all-reduce in backward, same run as DDP + AdamW
+    model = BNNet()
+    wrapped = acco.disable_gradient_allreduce(DDP(model))
+    opt = AccoOptimizer(model.parameters(), mode="sync", buffers=model.buffers(), **KW)
+    with torch.profiler.profile() as prof:
+        for i in range(4):
+            _bn_loss(wrapped, rank, i).backward()
+            opt.step()
+            wrapped.zero_grad()
+    out["acco_allreduces"] = _allreduces(prof)
+    opt.finish()
+    out["ddp_weights_err"] = (flat(model) - flat(ref.module)).abs().max().item()
+    out["stats"] = [model.bn.running_mean.clone(), ref.module.bn.running_mean.clone()]
+    # no DDP at all, with and without buffers=
+    for name, bufs in (("with_buffers", True), ("without_buffers", False)):
+        model = BNNet()
+        opt = AccoOptimizer(model.parameters(), mode="acco", microbatches_per_update=2,
+                            buffers=model.buffers() if bufs else None, **KW)
+        for t in range(3):
+            for j in range(2):
+                (_bn_loss(model, rank, 2 * t + j) / 2).backward()
+            opt.step()
+        opt.finish()
+        out[name] = model.bn.running_mean.clone()
+    return out
+
+
+def test_ddp_double_communication_is_refused_or_switched_off_and_buffers_follow_rank_0():
+    """Check DDP + AccoOptimizer is refused unless its all-reduce is off; then it equals DDP + AdamW, buffers included."""
+    r0, r1 = run_ranks(_ddp_worker, 2)
+    for r in (r0, r1):
+        assert r["ddp_allreduces"] > 0, "the profiler must see DDP's all-reduce for the count to mean anything"
+        assert r["acco_allreduces"] == 0, r
+        assert r["refused"] is not None and "disable_gradient_allreduce" in r["refused"], r["refused"]
+        assert r["ddp_weights_err"] < 1e-6, r["ddp_weights_err"]
+    # DDP broadcasts rank 0's buffers before every forward, acco at every step(): rank 0's statistics agree,
+    # and acco's ranks end equal (DDP's other ranks differ by their last forward's update).
+    assert torch.allclose(r0["stats"][0], r0["stats"][1], atol=1e-6)
+    assert torch.equal(r0["stats"][0], r1["stats"][0])
+    assert torch.equal(r0["with_buffers"], r1["with_buffers"])  # broadcast from rank 0
+    assert not torch.allclose(r0["without_buffers"], r1["without_buffers"])  # the test can fail
