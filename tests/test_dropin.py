@@ -361,3 +361,20 @@ def test_ddp_double_communication_is_refused_or_switched_off_and_buffers_follow_
     assert torch.equal(r0["stats"][0], r1["stats"][0])
     assert torch.equal(r0["with_buffers"], r1["with_buffers"])  # broadcast from rank 0
     assert not torch.allclose(r0["without_buffers"], r1["without_buffers"])  # the test can fail
+
+
+def test_exit_without_finish_is_clean():
+    """Check that a torchrun job that never calls finish() (a round in flight at exit) exits 0, twice in a row.
+
+    Without the library's exit handler both ranks abort ("terminate called without an active exception").
+    """
+    import os
+    import sys
+
+    from _dist import run_command
+
+    script = os.path.join(os.path.dirname(__file__), "nofinish_script.py")
+    for _ in range(2):
+        out = run_command([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                           script, "4"], timeout=120)
+        assert "terminate called" not in out and out.count("a round in flight: True") == 2, out[-2000:]
