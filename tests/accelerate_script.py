@@ -1,0 +1,120 @@
+"""An accelerate loop with torch AdamW (the accelerate idiom) or AccoOptimizer (the README's recipe),
+on a tiny GPT-2, under torchrun (2 gloo ranks).
+
+usage: accelerate_script.py OUT {adamw|acco} [--save-at N] [--resume DIR]
+Writes OUT/result.json (eval loss, all-reduces inside backward passes) and OUT/final.pt (rank 0).
+"""
+
+import argparse
+import json
+import math
+import os
+import sysconfig
+
+import torch
+from accelerate import Accelerator
+from transformers import GPT2Config, GPT2LMHeadModel
+
+import acco.integrations.accelerate
+from acco import AccoOptimizer
+
+parser = argparse.ArgumentParser()
+parser.add_argument("out")
+parser.add_argument("variant", choices=["adamw", "acco"])
+parser.add_argument("--save-at", type=int, default=-1)
+parser.add_argument("--resume", default=None)
+cli = parser.parse_args()
+os.makedirs(cli.out, exist_ok=True)
+SEQ, UPDATES, ACCUM = 64, 30, 2
+
+
+class Bytes(torch.utils.data.Dataset):
+    def __init__(self, start: int, n: int) -> None:
+        path = os.path.join(sysconfig.get_paths()["stdlib"], "argparse.py")
+        data = torch.frombuffer(bytearray(open(path, "rb").read()), dtype=torch.uint8).long()
+        self.rows = [data[start + i * SEQ : start + (i + 1) * SEQ] for i in range(n)]
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.rows[i], "labels": self.rows[i]}
+
+
+def lr_lambda(t):
+    return min(1.0, (t + 1) / 4) * 0.5 * (1 + math.cos(math.pi * t / UPDATES))
+
+
+accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ACCUM)
+torch.manual_seed(0)
+config = GPT2Config(vocab_size=256, n_positions=SEQ, n_embd=64, n_layer=2, n_head=2,
+                    resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+model = GPT2LMHeadModel(config)
+loader = torch.utils.data.DataLoader(Bytes(0, 480), batch_size=4)
+if cli.variant == "adamw":
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3, weight_decay=0.1)
+    sched = torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda)
+    model, opt, loader, sched = accelerator.prepare(model, opt, loader, sched)
+else:
+    model, loader = accelerator.prepare(model, loader)  # not the optimizer
+    opt = AccoOptimizer(model.parameters(), torch.optim.AdamW, microbatches_per_update=ACCUM, max_grad_norm=1.0,
+                        buffers=model.buffers(), lr=1e-3, weight_decay=0.1)
+    acco.integrations.accelerate.prepare(accelerator, model, opt)
+    sched = accelerator.prepare(torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda))
+
+done = 0
+if cli.resume:
+    accelerator.load_state(cli.resume)
+    done = int(open(os.path.join(cli.resume, "updates.txt")).read())
+backward_ranges, allreduces = [], None
+prof = None
+batches = accelerator.skip_first_batches(loader, done * ACCUM) if done else loader
+for batch in batches:
+    if done == 2 and prof is None and allreduces is None:
+        prof = torch.profiler.profile()
+        prof.__enter__()
+    with accelerator.accumulate(model):
+        loss = model(**batch).loss
+        with torch.profiler.record_function("backward_pass"):
+            accelerator.backward(loss)
+        if cli.variant == "adamw":
+            if accelerator.sync_gradients:
+                accelerator.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+        elif accelerator.sync_gradients:
+            opt.step()
+            sched.step()
+            opt.zero_grad()
+    if accelerator.sync_gradients:
+        done += 1
+        if prof is not None and done == 4:
+            prof.__exit__(None, None, None)
+            events = prof.events()
+            ranges = [e.time_range for e in events if e.name == "backward_pass"]
+            allreduces = sum(1 for e in events if "allreduce" in e.name.lower()
+                             and any(r.start <= e.time_range.start <= r.end for r in ranges))
+            prof = None
+        if done == cli.save_at:
+            ctx = opt.committed_weights() if cli.variant == "acco" else torch.no_grad()
+            with ctx:
+                accelerator.save_state(os.path.join(cli.out, "ckpt"))
+            if accelerator.is_main_process:
+                open(os.path.join(cli.out, "ckpt", "updates.txt"), "w").write(str(done))
+        if done == UPDATES:
+            break
+
+if cli.variant == "acco":
+    opt.finish()  # the model now holds the last committed weights
+unwrapped = accelerator.unwrap_model(model)
+unwrapped.eval()
+with torch.no_grad():
+    held = Bytes(480 * SEQ, 64)
+    eval_loss = sum(unwrapped(input_ids=torch.stack(held.rows[i:i + 16]), labels=torch.stack(held.rows[i:i + 16])).loss.item()
+                    for i in range(0, 64, 16)) / 4
+if accelerator.is_main_process:
+    torch.save(unwrapped.state_dict(), os.path.join(cli.out, "final.pt"))
+    with open(os.path.join(cli.out, "result.json"), "w") as f:
+        json.dump({"eval_loss": eval_loss, "allreduces": allreduces, "updates": done}, f)
+accelerator.end_training()

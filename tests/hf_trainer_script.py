@@ -1,0 +1,87 @@
+"""transformers.Trainer (AdamW, DDP) or acco's AccoTrainer on a tiny GPT-2, under torchrun (2 gloo ranks).
+
+usage: hf_trainer_script.py OUT {adamw|acco} [RESUME_CHECKPOINT]
+Writes OUT/result.json (eval loss, large all-reduces seen in backward) and OUT/final.pt (rank 0).
+"""
+
+import json
+import os
+import sys
+import sysconfig
+
+import torch
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+
+out, variant = sys.argv[1], sys.argv[2]
+resume = sys.argv[3] if len(sys.argv) > 3 else None
+SEQ = 64
+
+
+class Bytes(torch.utils.data.Dataset):
+    def __init__(self, start: int, n: int) -> None:
+        path = os.path.join(sysconfig.get_paths()["stdlib"], "argparse.py")
+        data = torch.frombuffer(bytearray(open(path, "rb").read()), dtype=torch.uint8).long()
+        self.rows = [data[start + i * SEQ : start + (i + 1) * SEQ] for i in range(n)]
+
+    def __len__(self):
+        return len(self.rows)
+
+    def __getitem__(self, i):
+        return {"input_ids": self.rows[i], "labels": self.rows[i]}
+
+
+class CountAllReduces(TrainerCallback):
+    """Profile two training steps; count the all-reduces issued inside backward passes (DDP's gradient buckets),
+    not Trainer's own (logging, token counts)."""
+
+    def __init__(self) -> None:
+        self.prof, self.count = None, None
+
+    def on_step_begin(self, args, state, control, **kw):
+        if state.global_step == 2:
+            self.prof = torch.profiler.profile()
+            self.prof.__enter__()
+
+    def on_step_end(self, args, state, control, **kw):
+        if self.prof is not None and state.global_step == 4:
+            self.prof.__exit__(None, None, None)
+            events = self.prof.events()
+            backward = [e.time_range for e in events if e.name == "backward_pass"]
+            assert len(backward) == 2 * args.gradient_accumulation_steps, len(backward)
+            self.count = sum(1 for e in events if "allreduce" in e.name.lower()
+                             and any(b.start <= e.time_range.start <= b.end for b in backward))
+            self.prof = None
+
+
+def labelled_backward(backward):
+    def run(*args, **kwargs):
+        with torch.profiler.record_function("backward_pass"):
+            return backward(*args, **kwargs)
+    return run
+
+
+torch.manual_seed(0)
+model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=SEQ, n_embd=64, n_layer=2, n_head=2))
+args = TrainingArguments(
+    output_dir=out, use_cpu=True, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+    max_steps=30, learning_rate=1e-3, lr_scheduler_type="cosine", warmup_steps=3, weight_decay=0.1,
+    max_grad_norm=1.0, save_steps=10, save_strategy="steps", logging_steps=10, report_to="none", seed=0,
+    dataloader_num_workers=0, disable_tqdm=True,
+    ddp_find_unused_parameters=False,  # else DDP all-reduces a small used-parameter map every backward
+)
+counter = CountAllReduces()
+kw = dict(model=model, args=args, train_dataset=Bytes(0, 480), eval_dataset=Bytes(480 * SEQ, 64), callbacks=[counter])
+if variant == "acco":
+    from acco.integrations.hf import AccoTrainer
+
+    trainer = AccoTrainer(**kw)
+else:
+    trainer = Trainer(**kw)
+trainer.accelerator.backward = labelled_backward(trainer.accelerator.backward)
+trainer.train(resume_from_checkpoint=resume)
+metrics = trainer.evaluate()
+if trainer.args.process_index == 0:
+    torch.save(trainer.model.state_dict(), os.path.join(out, "final.pt"))
+    with open(os.path.join(out, "result.json"), "w") as f:
+        json.dump({"eval_loss": metrics["eval_loss"], "allreduces": counter.count,
+                   "log": trainer.state.log_history}, f)
