@@ -42,7 +42,7 @@ def test_predict_recommendations():
     assert "within 5%" in predict(1.0, 0.05).recommendation
     assert "hides each round" in predict(1.0, 0.8).recommendation and predict(1.0, 0.8).hidden == 1.0
     slow = predict(1.0, 2.5)
-    assert slow.recommended_microbatches_per_half == 3 and "min_microbatches=3" in slow.recommendation
+    assert slow.recommended_microbatches_per_half == 3 and "microbatches_per_update=6" in slow.recommendation
     assert slow.hidden == pytest.approx(0.4)
     with pytest.raises(ValueError, match="compute_s > 0"):
         predict(0.0, 1.0)

@@ -84,9 +84,9 @@ def predict(compute_s: float, round_s: float, microbatches_per_half: int = 1) ->
         kp = predict(compute_s, round_s, k)
         text = (f"a round ({round_s * 1e3:.0f} ms) outlasts half a mini-batch ({half * 1e3:.0f} ms): acco gives "
                 f"{sync / acco:.2f}x sync at {2 * half / acco:.0%} of the compute's speed; with {k} micro-batches "
-                f"per half (min_microbatches={k}, i.e. a {k}x larger batch) the round is hidden, acco runs at the "
+                f"per half (microbatches_per_update={2 * k}, i.e. a {k}x larger batch) the round is hidden, acco runs at the "
                 f"compute's full speed and gives {kp.speedup:.2f}x sync at that batch size. "
-                "With ranks of unequal speed, max_microbatches=None lets fast ranks keep accumulating.")
+                "With ranks of unequal speed, accumulate_while_communicating=True lets fast ranks keep accumulating.")
     return Prediction(compute_s * microbatches_per_half, round_s, microbatches_per_half, sync, acco, sync / acco,
                       hidden, k, text)
 

@@ -45,6 +45,16 @@ except ImportError as exc:  # pragma: no cover - exercised only without transfor
 
 __all__ = ["AccoTrainer", "CHECKPOINT_DIR"]
 
+# The Trainer methods AccoTrainer overrides (transformers 5.x; tested with 5.23.0).
+_OVERRIDDEN = ("create_optimizer", "training_step", "_clip_grad_norm", "_get_grad_norm", "evaluate", "predict",
+               "_save_checkpoint", "_finalize_training", "_save_optimizer_and_scheduler", "_load_optimizer_and_scheduler")
+_missing = [name for name in _OVERRIDDEN if not hasattr(Trainer, name)]
+if _missing:  # pragma: no cover - depends on the installed transformers
+    raise ImportError(
+        f"acco.integrations.hf.AccoTrainer overrides Trainer methods that this transformers lacks: {_missing}. "
+        "It is tested with transformers 5.23: pip install 'acco[hf]'"
+    )
+
 CHECKPOINT_DIR = "acco_optimizer"  # inside each Trainer checkpoint folder
 SCHEDULER_NAME = "scheduler.pt"
 
