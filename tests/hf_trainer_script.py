@@ -85,3 +85,5 @@ if trainer.args.process_index == 0:
     with open(os.path.join(out, "result.json"), "w") as f:
         json.dump({"eval_loss": metrics["eval_loss"], "allreduces": counter.count,
                    "log": trainer.state.log_history}, f)
+torch.distributed.barrier()
+torch.distributed.destroy_process_group()  # a clean shutdown for the baseline too (gloo at interpreter exit)
