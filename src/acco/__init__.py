@@ -4,11 +4,23 @@ ACCO ("Accumulate While You Communicate", Nabli et al., NeurIPS 2025,
 arXiv 2406.02613) as a drop-in ``torch.optim`` optimizer.
 """
 
+from .checkpoint import CheckpointError
 from .ddp import disable_gradient_allreduce
+from .grads import ModelMovedError
 from .launch import init_process_group
 from .optimizer import AccoOptimizer
-from .rounds import NonFiniteGradientError
+from .rounds import HyperParameterMismatchError, NonFiniteGradientError, RoundFailedError
 from .scheduler import StreamScheduler
 
-__all__ = ["AccoOptimizer", "disable_gradient_allreduce", "NonFiniteGradientError", "StreamScheduler", "init_process_group"]
+__all__ = [
+    "AccoOptimizer",
+    "CheckpointError",
+    "HyperParameterMismatchError",
+    "ModelMovedError",
+    "NonFiniteGradientError",
+    "RoundFailedError",
+    "StreamScheduler",
+    "disable_gradient_allreduce",
+    "init_process_group",
+]
 __version__ = "0.1.0"

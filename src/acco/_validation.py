@@ -12,12 +12,33 @@ import torch.distributed as dist
 MODES = ("acco", "dpu", "sync")
 
 
-def check_optimizer_class(optimizer_class: Any) -> None:
+# torch.optim classes whose step acts on every element on its own (given per-tensor scalars such as
+# AdamW's step): a slice of a parameter steps exactly as that slice of the whole parameter would.
+ELEMENTWISE = tuple(
+    getattr(torch.optim, name)
+    for name in ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta", "RMSprop", "Rprop", "ASGD")
+    if hasattr(torch.optim, name)
+)
+
+
+def check_optimizer_class(optimizer_class: Any, assume_elementwise: Any = False) -> None:
     if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
         raise TypeError(
             "optimizer_class must be a torch.optim.Optimizer subclass such as torch.optim.AdamW "
             f"(the class, not an instance), got {optimizer_class!r}"
         )
+    if not isinstance(assume_elementwise, bool):
+        raise TypeError(f"assume_elementwise must be True or False, got {assume_elementwise!r}")
+    if optimizer_class in ELEMENTWISE or assume_elementwise:
+        return
+    name = f"{optimizer_class.__module__}.{optimizer_class.__qualname__}"
+    raise ValueError(
+        f"optimizer_class {name} is not known to be element-wise. Each rank steps its 1/N slice of the "
+        "flattened parameters, which computes the same update only for optimizers that treat every element on "
+        "its own (not Adafactor's factored moments, Muon's orthogonalisation, LBFGS's line search or "
+        f"SparseAdam). Known element-wise: {', '.join(c.__name__ for c in ELEMENTWISE)}. If your optimizer is "
+        "element-wise, pass assume_elementwise=True."
+    )
 
 
 def check_mode(mode: Any) -> None:
@@ -135,11 +156,24 @@ def normalize_param_groups(params: Any) -> List[Dict[str, Any]]:
 
 def check_params(params: Iterable[torch.Tensor]) -> None:
     params = list(params)
+    seen: Dict[int, int] = {}
+    for i, p in enumerate(params):
+        if id(p) in seen:
+            raise ValueError(
+                f"parameter {i} {tuple(p.shape)} is also parameter {seen[id(p)]}: each parameter may appear once "
+                "(in one param group); a duplicate would be updated and counted in the gradient norm twice"
+            )
+        seen[id(p)] = i
     devices = {p.device for p in params}
     if len(devices) > 1:
         raise ValueError(
             f"all parameters must be on one device, got {sorted(str(d) for d in devices)}: "
             "move the model with model.to(device) before building AccoOptimizer"
+        )
+    if any(d.type == "meta" for d in devices):
+        raise ValueError(
+            "the parameters are on the meta device (no data): materialise the model first, e.g. "
+            "model.to_empty(device=...) and its initialisation, then build AccoOptimizer"
         )
     dtypes = {p.dtype for p in params}
     for i, p in enumerate(params):
@@ -154,9 +188,29 @@ def check_params(params: Iterable[torch.Tensor]) -> None:
         )
 
 
+def check_dtypes(param_dtype: torch.dtype, compute_dtype: Optional[torch.dtype]) -> None:
+    if compute_dtype is not None and not (isinstance(compute_dtype, torch.dtype) and compute_dtype.is_floating_point):
+        raise TypeError(f"compute_dtype must be a floating dtype such as torch.bfloat16, got {compute_dtype}")
+    if torch.float16 in (param_dtype, compute_dtype):
+        raise TypeError(
+            "float16 parameters/compute_dtype are not supported: fp16 training needs dynamic loss scaling "
+            "(skipping steps all ranks agree on), which AccoOptimizer does not do, so small gradients would "
+            "silently underflow. Use compute_dtype=torch.bfloat16 (same memory, fp32's range), or fp32"
+        )
+
+
 def resolve_process_group(process_group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
     """The group to use; ``None`` means one process without collectives."""
     if process_group is not None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("process_group given but torch.distributed is not initialised: call "
+                               "torch.distributed.init_process_group(...) first")
+        if dist.get_rank(process_group) < 0:
+            raise ValueError(
+                f"this process (global rank {dist.get_rank()}) is not a member of the given process_group "
+                f"(ranks {dist.get_process_group_ranks(process_group)}): build AccoOptimizer only on the group's "
+                "ranks, with the group's own handle"
+            )
         return process_group
     if dist.is_available() and dist.is_initialized():
         return dist.group.WORLD

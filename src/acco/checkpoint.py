@@ -156,6 +156,77 @@ def _gather_full(opt: "AccoOptimizer", local: torch.Tensor) -> torch.Tensor:
     return full[: opt.layout.numel]
 
 
+# ------------------------------------------------------------ checksums
+
+_CHUNK = 1 << 20  # words per step of a checksum: its temporaries stay small
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be read, or whose contents do not match their checksums. Nothing was loaded."""
+
+
+def _partial_checksum(t: torch.Tensor, start: int) -> torch.Tensor:
+    """Sum over the tensor's bit words ``w_i`` of ``w_i * (2 (start + i) + 1)`` in wrapping int64.
+
+    Additive over slices (a sharded tensor's checksum is the sum of its slices'), so it survives
+    resharding; order-sensitive; changes with any single changed word (the weights are odd).
+    """
+    flat = t.detach().reshape(-1).contiguous()
+    size = flat.element_size()
+    words = flat.view(torch.int32) if size >= 4 else flat.view(torch.int16) if size == 2 else flat.view(torch.uint8)
+    per = max(1, size // 4)
+    total = torch.zeros((), dtype=torch.int64, device=flat.device)
+    for lo in range(0, words.numel(), _CHUNK):
+        w = words[lo : lo + _CHUNK].to(torch.int64)
+        idx = torch.arange(start * per + lo, start * per + lo + w.numel(), dtype=torch.int64, device=flat.device)
+        total += (w * (2 * idx + 1)).sum()
+    return total.cpu()
+
+
+def _leaves(tree: Dict[str, Any], prefix: str = ""):
+    for key, value in tree.items():
+        path = f"{prefix}{key}"
+        if isinstance(value, dict):
+            yield from _leaves(value, path + "/")
+        elif torch.is_tensor(value):
+            yield path, value
+
+
+def checksums(opt: "AccoOptimizer", sd: Dict[str, Any]) -> Dict[str, torch.Tensor]:
+    """One checksum per tensor of ``sd``: a sharded (DTensor) entry's over all ranks (an all-reduce on
+    the user's group: collective), a plain entry's over what this rank holds."""
+    out: Dict[str, torch.Tensor] = {}
+    sharded = []
+    offset = opt.rank * opt.layout.shard_size
+    for path, t in _leaves(sd):
+        if hasattr(t, "to_local"):
+            out[path] = _partial_checksum(t.to_local(), offset)
+            sharded.append(path)
+        else:
+            out[path] = _partial_checksum(t, offset if path.startswith("optim/") and _is_slice(path) else 0)
+    if sharded and opt._group is not None and dist.is_initialized():
+        parts = torch.stack([out[k] for k in sharded]).to(opt._params[0].device)
+        dist.all_reduce(parts, group=opt._group)  # the sum of the slices' checksums: the whole tensor's
+        for k, v in zip(sharded, parts.cpu()):
+            out[k] = v
+    return out
+
+
+def _is_slice(path: str) -> bool:
+    return path in ("optim/master", "optim/params") or path.startswith("optim/state/")
+
+
+def verify(opt: "AccoOptimizer", sd: Dict[str, Any], expected: Dict[str, torch.Tensor], where: str) -> None:
+    """Raise :class:`CheckpointError` naming the first entry whose checksum differs. Collective if sharded."""
+    got = checksums(opt, sd)
+    for key, value in expected.items():
+        if key in got and int(got[key]) != int(value):
+            raise CheckpointError(
+                f"{where}: entry {key!r} does not match its checksum: the file was damaged after it was written "
+                "(disk, copy, truncation). Nothing was loaded; use another checkpoint."
+            )
+
+
 # ------------------------------------------------------------ what a state dict holds
 
 FORMAT_VERSION = 2
@@ -260,15 +331,16 @@ def state_dict(opt: "AccoOptimizer", sharded: bool = False) -> Dict[str, Any]:
         "hyper": {},
         "counters": torch.tensor(counters, dtype=torch.int64),
     }
-    if sharded:
-        out["meta"] = _encode(describe(opt))
-    else:
-        out["acco"] = {**describe(opt), "rank": opt.rank, "world_size": opt.world_size}
     for gi, group in enumerate(opt.param_groups):
         for key, value in group.items():
             t = None if key == "params" else _numeric_hyper(value)
             if t is not None:
                 out["hyper"][f"{gi}.{key}"] = t
+    if sharded:
+        out["meta"] = _encode(describe(opt))
+    else:
+        out["checksums"] = checksums(opt, {"optim": out})
+        out["acco"] = {**describe(opt), "rank": opt.rank, "world_size": opt.world_size}
     return out
 
 
@@ -300,6 +372,9 @@ def load_state_dict(opt: "AccoOptimizer", sd: Dict[str, Any]) -> None:
         kind = _classify(sd)
         saved = sd["acco"] if kind == "rank_shard" else _decode(sd["meta"])
         check_compatible(opt, saved, rank_shard=kind == "rank_shard")
+        if kind == "rank_shard":
+            body = {k: v for k, v in sd.items() if k not in ("acco", "checksums")}
+            verify(opt, {"optim": body}, sd.get("checksums", {}), "AccoOptimizer.load_state_dict()")
         counters = [int(v) for v in sd["counters"].tolist()]
         saved_m = counters[7] or None
         if saved_m is not None and opt.microbatches_per_update not in (None, saved_m):
@@ -447,6 +522,7 @@ def save(path: str, optimizer: "AccoOptimizer", *, model: Optional[torch.nn.Modu
     sd: Dict[str, Any] = {"optim": state_dict(optimizer, sharded=True), "extra": dict(extra or {})}
     if model is not None:
         sd["model"] = model.state_dict()
+    sd["checksums"] = checksums(optimizer, sd)  # verified by load(): a damaged file is refused
     tmp, old = f"{path}.tmp", f"{path}.old"
     if _rank0(group):
         shutil.rmtree(tmp, ignore_errors=True)
@@ -482,25 +558,45 @@ def load(path: str, optimizer: "AccoOptimizer", *, model: Optional[torch.nn.Modu
     import torch.distributed.checkpoint as dcp
 
     path = resolve(path)
-    meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    where = f"acco.checkpoint.load({path!r})"
+    no_dist = not dist.is_initialized()
+
+    def read(sd: Dict[str, Any]) -> None:
+        try:
+            dcp.load(sd, checkpoint_id=path, process_group=optimizer._group, no_dist=no_dist)
+        except Exception as exc:  # DCP's own errors say little of what to do
+            raise CheckpointError(
+                f"{where}: the checkpoint cannot be read ({type(exc).__name__}: {str(exc)[:500]}); a file may be "
+                "missing or truncated. Nothing was loaded (the optimizer and the model are unchanged)."
+            ) from exc
+
+    try:
+        meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    except Exception as exc:
+        raise CheckpointError(f"{where}: its .metadata cannot be read ({type(exc).__name__}: {exc}). "
+                              "Nothing was loaded.") from exc
     flat_keys = [k.split(".", 2)[2] for k in meta if k.startswith("optim.state.")]
     scalar_keys = [k.split(".", 2)[2] for k in meta if k.startswith("optim.scalars.")]
     hyper_keys = {k.split(".", 2)[2]: tuple(meta[k].size) for k in meta if k.startswith("optim.hyper.")}
     meta_keys = {k.split(".", 2)[2]: tuple(meta[k].size) for k in meta if k.startswith("optim.meta.")}
+    sum_keys = [k.split(".", 1)[1] for k in meta if k.startswith("checksums.")]
     if not meta_keys:
-        raise ValueError(f"{path!r} holds no AccoOptimizer description (optim.meta): not written by acco.checkpoint.save "
-                         f"of this acco version (format {FORMAT_VERSION}). Nothing was loaded.")
+        raise CheckpointError(f"{where}: no AccoOptimizer description (optim.meta) in it: not written by "
+                              f"acco.checkpoint.save of this acco version (format {FORMAT_VERSION}). Nothing was loaded.")
     # What the checkpoint holds is checked before anything (the model included) is touched.
     head = {"optim": {"meta": _meta_template(meta_keys)}}
-    dcp.load(head, checkpoint_id=path, process_group=optimizer._group, no_dist=not dist.is_initialized())
+    read(head)
     check_compatible(optimizer, _decode(head["optim"]["meta"]), rank_shard=False)
     sd: Dict[str, Any] = {
         "optim": _template(optimizer, flat_keys, scalar_keys, hyper_keys, meta_keys),
         "extra": {k: v.clone() for k, v in (extra or {}).items()},
     }
-    if model is not None:
-        sd["model"] = model.state_dict()
-    dcp.load(sd, checkpoint_id=path, process_group=optimizer._group, no_dist=not dist.is_initialized())
+    if model is not None:  # into copies: the model changes only once everything has been verified
+        sd["model"] = {k: torch.empty_like(v) for k, v in model.state_dict().items()}
+    sd["checksums"] = {k: torch.zeros((), dtype=torch.int64) for k in sum_keys}
+    read(sd)
+    expected = sd.pop("checksums")
+    verify(optimizer, sd, expected, where)
     if model is not None:
         model.load_state_dict(sd["model"])
     load_state_dict(optimizer, sd["optim"])

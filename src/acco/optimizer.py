@@ -40,13 +40,42 @@ from . import ddp as _ddp
 from .collectives import group_rank, group_size, ring_algorithm
 from .grads import GradBinding
 from .layout import FlatLayout
-from .rounds import OptimizerSnapshot, RoundKind, RoundResult, ShardBuffers, round_kind, run_round
+from .rounds import (
+    HyperParameterMismatchError,
+    NonFiniteGradientError,
+    OptimizerSnapshot,
+    RoundFailedError,
+    RoundKind,
+    RoundResult,
+    ShardBuffers,
+    round_kind,
+    run_round,
+)
 from .scheduler import StreamScheduler
 from .stats import RoundRecord, nbytes, summarize
 
-__all__ = ["AccoOptimizer"]
+__all__ = ["AccoOptimizer", "hyper_fingerprint"]
 
 log = logging.getLogger("acco")
+
+
+def _digest(text: str) -> int:
+    """52 bits of a SHA-256: exact in an int64 and in a float64."""
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little") >> 4
+
+
+def hyper_fingerprint(hyper: List[Dict[str, Any]]) -> float:
+    """One float64 that differs when any numeric or other hyper-parameter of any group differs.
+
+    Computed on the host from the hand-off's snapshot; tensors on the host are read, others (CUDA) are
+    left out rather than synchronised.
+    """
+    def value(v: Any) -> Any:
+        if torch.is_tensor(v):
+            return v.tolist() if v.device.type == "cpu" else "device tensor"
+        return v
+
+    return float(_digest(repr([[(k, value(v)) for k, v in sorted(g.items())] for g in hyper])))
 
 
 class AccoOptimizer(torch.optim.Optimizer):
@@ -103,6 +132,8 @@ class AccoOptimizer(torch.optim.Optimizer):
         buffers: the model's buffers (``model.buffers()``, e.g. BatchNorm's
             running statistics) to keep equal across ranks: broadcast from the
             group's first rank at every ``step()``, as DDP broadcasts them.
+        assume_elementwise: accept an ``optimizer_class`` that acco does not
+            know to be element-wise (your own); the known ones need not.
         **optimizer_kwargs: passed to ``optimizer_class`` (``lr=...``).
 
     Evaluate or save the committed weights inside :meth:`committed_weights`.
@@ -128,9 +159,10 @@ class AccoOptimizer(torch.optim.Optimizer):
         nonfinite: str = "skip",
         timeout: Optional[datetime.timedelta] = None,
         buffers: Optional[Iterable[torch.Tensor]] = None,
+        assume_elementwise: bool = False,
         **optimizer_kwargs: Any,
     ) -> None:
-        V.check_optimizer_class(optimizer_class)
+        V.check_optimizer_class(optimizer_class, assume_elementwise)
         V.check_mode(mode)
         V.check_handoffs(mode, microbatches_per_update, accumulate_while_communicating, min_microbatches, max_microbatches)
         V.check_clipping(max_grad_norm, nonfinite)
@@ -138,8 +170,7 @@ class AccoOptimizer(torch.optim.Optimizer):
         super().__init__(groups, dict(optimizer_kwargs))
         self._params: List[torch.Tensor] = [p for g in self.param_groups for p in g["params"]]
         V.check_params(self._params)
-        if compute_dtype is not None and not compute_dtype.is_floating_point:
-            raise TypeError(f"compute_dtype must be a floating dtype such as torch.bfloat16, got {compute_dtype}")
+        V.check_dtypes(self._params[0].dtype, compute_dtype)
 
         self.mode = mode
         self.microbatches_per_update = microbatches_per_update
@@ -201,6 +232,8 @@ class AccoOptimizer(torch.optim.Optimizer):
             grad=torch.zeros_like(master),
             count=torch.zeros(1, dtype=master_dtype, device=device),
             rank_counts=torch.zeros(self.world_size, dtype=master_dtype, device=device),
+            row=torch.zeros(2, dtype=torch.float64, device=device),
+            rows=torch.zeros(2 * self.world_size, dtype=torch.float64, device=device),
             staging=None if cd == master_dtype else torch.zeros(self.layout.shard_size, dtype=cd, device=device),
             collectives=ring_algorithm(self._round_group),
         )
@@ -260,6 +293,7 @@ class AccoOptimizer(torch.optim.Optimizer):
         # Weak references: parameters (hooks) and the interpreter (atexit) must not keep the
         # optimizer and its process group alive in a cycle that only the collector breaks at exit.
         self_ref = weakref.ref(self)
+        self._constructed = True  # add_param_group() from here on would change the layout: refused
         self._hook_handles = [
             p.register_post_accumulate_grad_hook(partial(_after_accumulate, self_ref, i)) for i, p in enumerate(self._params)
         ]
@@ -267,12 +301,23 @@ class AccoOptimizer(torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ checks
 
-    def _signature(self) -> str:
-        parts = [self.mode, self.optimizer_class.__name__, str(self.min_microbatches), str(self.max_microbatches),
-                 str(self.microbatches_per_update), str(self.accumulate_while_communicating)]
-        parts += [str(len(g["params"])) for g in self.param_groups]
-        parts += [f"{tuple(p.shape)}:{p.dtype}" for p in self._params]
-        return "|".join(parts)
+    def _fingerprints(self) -> List[Any]:
+        """(what, description) of everything that must agree across ranks: the model and every option and
+        hyper-parameter that changes the math."""
+        hyper = [{k: v for k, v in sorted(g.items()) if k != "params"} for g in self.param_groups]
+        return [
+            ("the model (parameter shapes/dtypes, param groups)",
+             [len(g["params"]) for g in self.param_groups] + [f"{tuple(p.shape)}:{p.dtype}" for p in self._params]),
+            ("mode", self.mode),
+            ("optimizer_class", f"{self.optimizer_class.__module__}.{self.optimizer_class.__qualname__}"),
+            ("microbatches_per_update / accumulate_while_communicating / min/max_microbatches",
+             (self.microbatches_per_update, self.accumulate_while_communicating, self.min_microbatches,
+              self.max_microbatches)),
+            ("compute_dtype", str(self.compute_dtype)),
+            ("max_grad_norm", self.max_grad_norm),
+            ("nonfinite", self.nonfinite),
+            ("the hyper-parameters of the param groups (lr, betas, weight_decay, ...)", hyper_fingerprint(hyper)),
+        ]
 
     def _all_gather_row(self, row: List[int]) -> List[List[int]]:
         """Every rank's ``row`` of ints, in rank order. Collective on the user's group."""
@@ -282,15 +327,17 @@ class AccoOptimizer(torch.optim.Optimizer):
         return [t.tolist() for t in everyone]
 
     def _check_same_model_across_ranks(self) -> None:
-        """All-gather a fingerprint of the model and options; raise on every rank if any differ. Collective."""
-        digest = hashlib.sha256(self._signature().encode()).digest()
-        rows = self._all_gather_row([len(self._params), self.layout.numel, int.from_bytes(digest[:7], "little")])
+        """All-gather fingerprints of the model and options; raise on every rank if any differ. Collective."""
+        fields = self._fingerprints()
+        row = [len(self._params), self.layout.numel] + [_digest(repr(value)) for _, value in fields]
+        rows = self._all_gather_row(row)
         if any(r != rows[0] for r in rows):
+            differ = [what for i, (what, _) in enumerate(fields) if len({r[i + 2] for r in rows}) > 1]
             detail = "; ".join(f"rank {i}: {r[0]} tensors, {r[1]} elements" for i, r in enumerate(rows))
             raise RuntimeError(
-                "AccoOptimizer: the ranks disagree on the model or the options (parameter shapes/dtypes, "
-                "param groups, mode, optimizer class, microbatches_per_update, accumulate_while_communicating, "
-                f"min/max_microbatches): {detail}. Build the same model and AccoOptimizer arguments on every rank."
+                f"AccoOptimizer: the ranks disagree on {', '.join(differ) or 'the model'} ({detail}). Build the "
+                "same model and AccoOptimizer arguments on every rank: each rank would otherwise step its shard "
+                "with its own values."
             )
 
     def _broadcast_parameters(self) -> None:
@@ -355,6 +402,16 @@ class AccoOptimizer(torch.optim.Optimizer):
                     "AccoOptimizer and do not clip .grad yourself (HF Trainer: acco.integrations.hf.AccoTrainer "
                     "maps max_grad_norm for you).")
         return f"This optimizer already clips with max_grad_norm={self.max_grad_norm}: do not clip .grad yourself."
+
+    def add_param_group(self, param_group: Dict[str, Any]) -> None:
+        """Used by the constructor; afterwards refused: the flat layout and the shards are fixed at construction."""
+        if getattr(self, "_constructed", False):
+            raise RuntimeError(
+                "AccoOptimizer.add_param_group(): the flat buffers and the shards of every rank are laid out at "
+                "construction, so parameters added later would never be communicated or trained. Build the "
+                "AccoOptimizer with all param groups (e.g. unfreeze layers before building it, or build a new one)"
+            )
+        super().add_param_group(param_group)
 
     # ------------------------------------------------------------------ gradients
 
@@ -425,9 +482,17 @@ class AccoOptimizer(torch.optim.Optimizer):
             return None
         try:
             result = self.scheduler.wait()
-        except BaseException as exc:
+        except (NonFiniteGradientError, HyperParameterMismatchError) as exc:  # every rank raises alike
             self._failed = exc
             raise
+        except BaseException as exc:
+            self._failed = exc
+            raise RoundFailedError(
+                f"AccoOptimizer (rank {self.rank} of {self.world_size}): round {self.num_rounds - 1} failed: "
+                f"{type(exc).__name__}: {exc}. The usual cause is a peer that died or stopped calling step() "
+                "(killed, out of memory, an exception in its own code, or it left its loop early): its own log "
+                "says which. This optimizer cannot continue; restart from the last checkpoint."
+            ) from exc
         total = result.total_microbatches.clone()  # compute side, ordered after the round: no host sync
         per_rank = result.rank_microbatches.clone()
         if result.kind is RoundKind.COMMIT:
@@ -470,6 +535,7 @@ class AccoOptimizer(torch.optim.Optimizer):
             self.max_grad_norm,
             self.nonfinite,
             grad_scale,
+            hyper_fingerprint(self._update_hyper),
         )
         self.num_rounds += 1
         if kind is RoundKind.COMMIT:
@@ -620,6 +686,11 @@ class AccoOptimizer(torch.optim.Optimizer):
         waited for at exit), but the model may hold an estimate.
         Collective: call on all ranks.
         """
+        if self._failed is not None:  # no collective, no wait: a peer may be gone
+            if not self._finished:
+                self._finished = True
+                self.scheduler.close(wait=False, join_timeout=0.0)
+            raise RuntimeError("AccoOptimizer.finish(): a previous round failed; nothing to finish") from self._failed
         if self._finished:
             return
         try:

@@ -27,8 +27,10 @@ import torch.distributed as dist
 from .collectives import all_gather_flat, all_reduce_sum, reduce_scatter_flat
 
 __all__ = [
+    "HyperParameterMismatchError",
     "NonFiniteGradientError",
     "OptimizerSnapshot",
+    "RoundFailedError",
     "RoundKind",
     "RoundResult",
     "ShardBuffers",
@@ -62,6 +64,8 @@ class ShardBuffers:
     dtypes differ (receives the reduce-scatter, sends the all-gather).
     ``count``: one element on the device, the micro-batch count over all ranks.
     ``rank_counts``: one element per rank, each rank's micro-batch count.
+    ``row``/``rows``: this rank's ``[micro-batch count, hyper-parameter fingerprint]``
+    and every rank's, end to end (one all-gather carries both).
     """
 
     comm: torch.Tensor
@@ -69,6 +73,8 @@ class ShardBuffers:
     grad: torch.Tensor
     count: torch.Tensor
     rank_counts: torch.Tensor
+    row: Optional[torch.Tensor] = None
+    rows: Optional[torch.Tensor] = None
     staging: Optional[torch.Tensor] = None
     collectives: str = "native"  # or "ring": the reduce-scatter and all-gather (collectives.ring_algorithm)
 
@@ -146,6 +152,14 @@ class NonFiniteGradientError(FloatingPointError):
     """The averaged gradient of a round holds inf or NaN (raised on every rank alike)."""
 
 
+class RoundFailedError(RuntimeError):
+    """A round's collectives failed: usually a peer died or stalled. The optimizer cannot continue."""
+
+
+class HyperParameterMismatchError(RuntimeError):
+    """The ranks handed off one round with different hyper-parameters (raised on every rank alike)."""
+
+
 def global_grad_norm(grad_shard: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
     """L2 norm of the full averaged gradient from this rank's slice. Collective."""
     # fp32 norm of the slice (no full-size temporary), squared in fp64 so the sum over slices is exact enough
@@ -171,6 +185,7 @@ def run_round(
     max_grad_norm: Optional[float] = None,
     nonfinite: str = "skip",
     grad_scale: Optional[float] = None,
+    hyper_fingerprint: float = 0.0,
 ) -> RoundResult:
     """Run one round on the current thread/stream. Collective: call on all ranks.
 
@@ -192,11 +207,23 @@ def run_round(
     a number multiplies the sum by it instead (one ``step()`` per update:
     ``1/N``, DDP's average of the ranks' ``.grad``; an estimate's half is
     extrapolated to a whole update).
+
+    ``hyper_fingerprint`` (of ``hyperparams``) travels with the micro-batch
+    count: if the ranks' differ, every rank raises
+    :class:`HyperParameterMismatchError` before any step.
     """
     b = buffers
-    b.count.fill_(float(local_microbatches))
-    all_gather_flat(b.rank_counts, b.count, group)  # every rank's micro-batch count
+    b.row[0], b.row[1] = float(local_microbatches), hyper_fingerprint
+    all_gather_flat(b.rows, b.row, group)  # every rank's [micro-batch count, hyper-parameter fingerprint]
+    pairs = b.rows.view(-1, 2)
+    b.rank_counts.copy_(pairs[:, 0])
     torch.sum(b.rank_counts, dim=0, keepdim=True, out=b.count)
+    if not bool((pairs[:, 1] == pairs[0, 1]).all()):  # a host sync, on the round's own thread
+        raise HyperParameterMismatchError(
+            f"{kind.value} round: the ranks handed it off with different hyper-parameters (lr, betas, "
+            "weight_decay, ... of the param groups): a scheduler or your code changed them on some ranks only. "
+            "Change them on every rank alike (e.g. step the scheduler on every rank)"
+        )
     if b.staging is None:
         reduce_scatter_flat(b.grad, b.comm, group, b.collectives)  # this rank's slice of the gradient sum
     else:
