@@ -9,6 +9,7 @@ from torch import nn
 from _dist import run_ranks
 from tinynet import loss_fn, make_model
 
+import acco
 from acco import AccoOptimizer
 
 
@@ -16,6 +17,15 @@ def _frozen():
     m = nn.Linear(2, 2)
     m.requires_grad_(False)
     return m.parameters()
+
+
+def _dup():
+    p = nn.Parameter(torch.ones(2))
+    return [p, nn.Parameter(torch.ones(3)), p]
+
+
+class _MyElementwise(torch.optim.SGD):
+    """A user's own optimizer: acco cannot know it is element-wise."""
 
 
 CASES = [
@@ -42,6 +52,18 @@ CASES = [
     ("accumulate flag not a bool", lambda: (make_model().parameters(),), {"accumulate_while_communicating": "yes"}, TypeError, "True or False"),
     ("buffers a single tensor", lambda: (make_model().parameters(),), {"buffers": torch.zeros(2)}, TypeError, "model.buffers"),
     ("buffers not tensors", lambda: (make_model().parameters(),), {"buffers": [1.0]}, TypeError, "model.buffers"),
+    ("fp16 parameters", lambda: (make_model().half().parameters(),), {}, TypeError, "loss scaling.*bfloat16"),
+    ("fp16 compute dtype", lambda: (make_model().parameters(),), {"compute_dtype": torch.float16}, TypeError, "loss scaling"),
+    ("meta-device parameters", lambda: (make_model().to("meta").parameters(),), {}, ValueError, "meta device.*to_empty"),
+    ("a parameter twice in one list", lambda: (_dup(),), {}, ValueError, "parameter 2 .* is also parameter 0"),
+    ("a parameter in two groups", lambda: (lambda ps: ([{"params": ps[:2]}, {"params": ps[2:]}],))(_dup()), {}, ValueError, "more than one"),
+    ("Adafactor (not element-wise)", lambda: (make_model().parameters(), torch.optim.Adafactor), {}, ValueError, "not known to be element-wise.*assume_elementwise=True"),
+    ("LBFGS (not element-wise)", lambda: (make_model().parameters(), torch.optim.LBFGS), {}, ValueError, "LBFGS"),
+    ("Muon (not element-wise)", lambda: (make_model().parameters(), torch.optim.Muon), {}, ValueError, "Muon"),
+    ("SparseAdam (not element-wise)", lambda: (make_model().parameters(), torch.optim.SparseAdam), {}, ValueError, "SparseAdam"),
+    ("a user's optimizer without opt-in", lambda: (make_model().parameters(), _MyElementwise), {}, ValueError, "_MyElementwise.*assume_elementwise"),
+    ("assume_elementwise not a bool", lambda: (make_model().parameters(), _MyElementwise), {"assume_elementwise": 1}, TypeError, "True or False"),
+    ("process_group without init", lambda: (make_model().parameters(),), {"process_group": object()}, RuntimeError, "not initialised"),
     ("int compute dtype", lambda: (make_model().parameters(),), {"compute_dtype": torch.int8}, TypeError, "compute_dtype"),
 ]
 
@@ -51,6 +73,35 @@ def test_bad_input_raises_clear_error(name, args, kwargs, exc, match):
     """Check that each bad input raises the right exception type with a message naming the value."""
     with pytest.raises(exc, match=match):
         AccoOptimizer(*args(), **kwargs)
+
+
+def test_a_users_elementwise_optimizer_with_opt_in_trains():
+    """Check that assume_elementwise=True accepts an optimizer acco does not know, and it trains."""
+    model = make_model()
+    opt = AccoOptimizer(model.parameters(), _MyElementwise, mode="sync", assume_elementwise=True, lr=1e-2)
+    before = [p.detach().clone() for p in model.parameters()]
+    loss_fn(model, 0, 0).backward()
+    opt.step()
+    opt.finish()
+    assert any(not torch.equal(a, b) for a, b in zip(before, model.parameters()))
+
+
+def test_add_param_group_after_construction_raises():
+    """Check that add_param_group() (inherited from torch.optim.Optimizer) is refused, not silently ignored."""
+    model = make_model()
+    opt = AccoOptimizer(list(model.parameters())[:2], mode="sync", lr=1e-2)
+    with pytest.raises(RuntimeError, match="add_param_group.*laid out at construction.*all param groups"):
+        opt.add_param_group({"params": list(model.parameters())[2:]})
+    assert len(opt.param_groups) == 1
+
+
+def test_state_dict_mid_update_raises():
+    """Check that state_dict() between the micro-batches of one update says when to call it."""
+    model = make_model()
+    opt = AccoOptimizer(model.parameters(), microbatches_per_update=2, lr=1e-2)
+    loss_fn(model, 0, 0).backward()
+    with pytest.raises(RuntimeError, match="mid-update.*between a step"):
+        opt.state_dict()
 
 
 def test_step_after_finish_raises():
@@ -72,19 +123,90 @@ def test_world_size_without_process_group_raises(monkeypatch):
         AccoOptimizer(make_model().parameters(), lr=1e-2)
 
 
-def _mismatch_worker(rank: int, world: int) -> str:
-    model = nn.Linear(4, 3 + rank)  # rank 1 has a different model
+# (name, AccoOptimizer kwargs on rank 1 where rank 0 has the defaults below, words in the message)
+RANK_MISMATCHES = [
+    ("model", {"model": "other"}, "the model"),
+    ("lr", {"lr": 2e-2}, "hyper-parameters of the param groups"),
+    ("weight_decay", {"weight_decay": 0.5}, "hyper-parameters of the param groups"),
+    ("max_grad_norm", {"max_grad_norm": 1.0}, "max_grad_norm"),
+    ("compute_dtype", {"compute_dtype": torch.bfloat16}, "compute_dtype"),
+    ("nonfinite", {"nonfinite": "raise"}, "nonfinite"),
+    ("mode", {"mode": "dpu"}, "mode"),
+    ("optimizer_class", {"optimizer_class": torch.optim.Adam}, "optimizer_class"),
+    ("microbatches_per_update", {"microbatches_per_update": 4}, "microbatches_per_update"),
+]
+
+
+def _mismatch_worker(rank: int, world: int) -> dict:
+    out = {}
+    for name, change, _ in RANK_MISMATCHES:
+        kw = dict(mode="sync", lr=1e-2, weight_decay=0.01)
+        model = make_model()
+        if rank == 1:
+            kw.update(change)
+            if kw.pop("model", None):
+                model = nn.Linear(4, 3)
+        cls = kw.pop("optimizer_class", torch.optim.AdamW)
+        try:
+            AccoOptimizer(model.parameters(), cls, **kw).finish()
+            out[name] = "no error"
+        except RuntimeError as exc:
+            out[name] = str(exc)
+    return out
+
+
+def test_options_that_differ_across_ranks_fail_on_every_rank():
+    """Check that a different model, lr, weight_decay, max_grad_norm, compute_dtype, nonfinite, mode, optimizer
+    class or micro-batch count on one rank is reported on every rank at construction, naming what differs."""
+    for rank, res in enumerate(run_ranks(_mismatch_worker, 2, timeout=120)):
+        for name, _, words in RANK_MISMATCHES:
+            msg = res[name]
+            assert "disagree" in msg and words in msg and "rank 0" in msg and "rank 1" in msg, (rank, name, msg)
+
+
+def _hyper_changed_worker(rank: int, world: int) -> str:
+    model = make_model()
+    opt = AccoOptimizer(model.parameters(), microbatches_per_update=2, lr=1e-2)
     try:
-        AccoOptimizer(model.parameters(), lr=1e-2)
-    except RuntimeError as exc:
+        for t in range(4):
+            if t == 2 and rank == 1:
+                opt.param_groups[0]["lr"] = 5e-3  # a scheduler stepped on one rank only
+            for j in range(2):
+                loss_fn(model, rank, 2 * t + j).backward()
+            opt.step()
+        opt.finish()
+    except acco.HyperParameterMismatchError as exc:
+        with pytest.raises(RuntimeError, match="a previous round failed"):
+            opt.step()  # and every later call raises at once
         return str(exc)
     return "no error"
 
 
-def test_models_that_differ_across_ranks_fail_on_every_rank():
-    """Check that a model mismatch is reported on every rank at construction instead of hanging."""
-    for msg in run_ranks(_mismatch_worker, 2, timeout=120):
-        assert "disagree" in msg and "rank 0" in msg and "rank 1" in msg, msg
+def test_hyper_parameters_changed_on_one_rank_fail_every_rank():
+    """Check that an lr changed on one rank after construction fails the next round on every rank."""
+    for msg in run_ranks(_hyper_changed_worker, 2, timeout=120):
+        assert "different hyper-parameters" in msg and "every rank alike" in msg, msg
+
+
+def _foreign_group_worker(rank: int, world: int) -> str:
+    import torch.distributed as dist
+
+    group = dist.new_group(ranks=[0])  # every rank must call new_group; rank 1 is not a member
+    if rank == 0:
+        AccoOptimizer(make_model().parameters(), process_group=group, mode="sync", lr=1e-2).finish()
+        return "member"
+    try:
+        AccoOptimizer(make_model().parameters(), process_group=group, mode="sync", lr=1e-2)
+    except ValueError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_a_process_group_without_this_rank_is_refused():
+    """Check that a process_group this rank is not a member of gives a clear error (not 'world_size -1')."""
+    member, other = run_ranks(_foreign_group_worker, 2, timeout=120)
+    assert member == "member"
+    assert "not a member of the given process_group" in other, other
 
 
 def _failing_worker(rank: int, world: int) -> None:
