@@ -19,7 +19,7 @@ import subprocess
 import tempfile
 import time
 import traceback
-from typing import Any, Callable, List
+from typing import Any, Callable, List, Sequence
 
 import torch
 
@@ -45,7 +45,9 @@ def _entry(rank: int, world_size: int, init_file: str, fn: Callable, args: tuple
         results.put((rank, "error", traceback.format_exc()))
 
 
-def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT) -> List[Any]:
+def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT,
+              may_die: Sequence[int] = ()) -> List[Any]:
+    """``may_die``: ranks whose process may end without a result (a fault test's victim): their result is None."""
     ctx = mp.get_context("spawn")
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
@@ -63,6 +65,9 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = DEFAUL
                 try:
                     rank, status, payload = results.get(timeout=0.5)
                 except queue.Empty:
+                    for r in may_die:
+                        if procs[r].exitcode is not None and r not in out:
+                            out[r] = None
                     dead = [r for r, p in enumerate(procs) if p.exitcode not in (None, 0) and r not in out]
                     if dead:
                         raise AssertionError(f"rank(s) {dead} died (exit codes {[procs[r].exitcode for r in dead]})")
@@ -72,6 +77,8 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = DEFAUL
                 if status == "error":
                     raise AssertionError(f"rank {rank} failed:\n{payload}")
                 out[rank] = torch.load(io.BytesIO(payload), weights_only=True)
+                if out[rank] is None and rank in may_die:
+                    continue
         finally:
             for p in procs:
                 if p.is_alive():

@@ -556,6 +556,7 @@ def load(path: str, optimizer: "AccoOptimizer", *, model: Optional[torch.nn.Modu
     they are returned. Loading executes no code: every entry is a tensor.
     """
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
     path = resolve(path)
     where = f"acco.checkpoint.load({path!r})"
@@ -564,7 +565,7 @@ def load(path: str, optimizer: "AccoOptimizer", *, model: Optional[torch.nn.Modu
     def read(sd: Dict[str, Any]) -> None:
         try:
             dcp.load(sd, checkpoint_id=path, process_group=optimizer._group, no_dist=no_dist)
-        except Exception as exc:  # DCP's own errors say little of what to do
+        except (Exception, CheckpointException) as exc:  # DCP's own errors say little of what to do
             raise CheckpointError(
                 f"{where}: the checkpoint cannot be read ({type(exc).__name__}: {str(exc)[:500]}); a file may be "
                 "missing or truncated. Nothing was loaded (the optimizer and the model are unchanged)."

@@ -1,0 +1,91 @@
+"""Failure paths on 2 gloo ranks: how the surviving rank learns that its peer is gone, and how fast.
+
+Each worker returns what the survivor saw and when: the departing rank writes the time it left to a
+file, the survivor the time it raised. The process group's timeout is 60 s (tests/_dist.py) and
+run_ranks gives up after 45 s, so a survivor that waited for the process group's timeout fails the test.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import signal
+import time
+
+import pytest
+
+from _dist import run_ranks
+from tinynet import loss_fn, make_model
+
+import acco
+from acco import AccoOptimizer
+
+DEADLINE = 45  # < the process group's 60 s timeout
+
+
+def _stamp(path: str) -> None:
+    with open(path, "w") as f:
+        f.write(repr(time.time()))
+
+
+def _train_until_error(model, opt, rank, start=0, updates=200):
+    try:
+        for t in range(start, start + updates):
+            for j in range(2):
+                (loss_fn(model, rank, 2 * t + j) / 2).backward()
+            opt.step()
+        opt.finish()
+    except acco.RoundFailedError as exc:
+        raised = time.time()
+        with pytest.raises(RuntimeError, match="a previous round failed"):
+            opt.finish()  # at once, no collective with the dead peer
+        return {"error": str(exc), "raised": raised, "finish_s": time.time() - raised}
+    return {"error": None}
+
+
+def _worker(rank: int, world: int, case: str, stamp: str) -> dict:
+    model = make_model()
+    kw = {"timeout": datetime.timedelta(seconds=3)} if case == "stalled" else {}
+    opt = AccoOptimizer(model.parameters(), microbatches_per_update=2, lr=1e-2, **kw)
+    if rank == 1:
+        for t in range(3):
+            for j in range(2):
+                (loss_fn(model, rank, 2 * t + j) / 2).backward()
+            opt.step()
+        if case == "killed":
+            _stamp(stamp)
+            os.kill(os.getpid(), signal.SIGKILL)
+        if case == "stalled":
+            _stamp(stamp)
+            time.sleep(8)  # alive, but no longer calling step()
+            return {"left": True}
+        if case == "raises":
+            try:
+                raise ValueError("a bug in rank 1's own code, between two step() calls")
+            except ValueError:
+                _stamp(stamp)
+                return {"left": True}  # the exception ends the loop; the process exits through its handlers
+        _stamp(stamp)  # "exits": leaves its loop early, without finish()
+        return {"left": True}
+    out = _train_until_error(model, opt, rank)
+    if out["error"] is not None:
+        for _ in range(100):
+            if os.path.exists(stamp) and os.path.getsize(stamp):
+                break
+            time.sleep(0.05)
+        out["after_peer_left_s"] = out["raised"] - float(open(stamp).read())
+    return out
+
+
+@pytest.mark.parametrize("case", ["killed", "stalled", "exits", "raises"])
+def test_survivor_raises_soon_after_its_peer_is_gone(case, tmp_path):
+    """Check the surviving rank raises RoundFailedError (naming the likely cause) long before the process
+    group's timeout, and that finish() then raises at once."""
+    start = time.monotonic()
+    results = run_ranks(_worker, 2, case, str(tmp_path / "left"), timeout=DEADLINE, may_die=[1])
+    survivor = results[0]
+    assert survivor["error"] is not None, "the survivor must notice"
+    assert "peer that died or stopped calling step()" in survivor["error"], survivor["error"]
+    assert survivor["finish_s"] < 1.0, survivor  # no wait, no collective after a failure
+    print(f"{case}: survivor raised {survivor['after_peer_left_s']:.2f} s after its peer left "
+          f"(whole test {time.monotonic() - start:.1f} s)")
