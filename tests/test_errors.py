@@ -255,3 +255,12 @@ def test_sparse_gradients_are_densified(zero):
         opt.finish()
         finals.append(emb.weight.detach().clone())
     assert torch.equal(finals[0], finals[1])
+
+
+def test_docs_list_every_construction_case():
+    """Check docs/errors.md lists every construction case of this file (the table stays the tests')."""
+    import os
+
+    doc = open(os.path.join(os.path.dirname(__file__), "..", "docs", "errors.md")).read()
+    missing = [c[0] for c in CASES if f"| {c[0]} |" not in doc]
+    assert not missing, missing
