@@ -38,7 +38,7 @@ def _overlap_worker(rank: int, world: int, mode: str) -> list:
 
     def logged_all_gather(flat, shard, group, algorithm="native"):
         orig_ag(flat, shard, group, algorithm)
-        if shard.numel() > 1:  # the weights, not the one-element micro-batch count
+        if shard.numel() > 2:  # the weights, not the [count, hyper-parameter fingerprint] row
             note("all_gather_end")
 
     rounds.reduce_scatter_flat, rounds.all_gather_flat = held_reduce_scatter, logged_all_gather

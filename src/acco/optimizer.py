@@ -73,7 +73,11 @@ def hyper_fingerprint(hyper: List[Dict[str, Any]]) -> float:
     def value(v: Any) -> Any:
         if torch.is_tensor(v):
             return v.tolist() if v.device.type == "cpu" else "device tensor"
-        return v
+        if isinstance(v, (tuple, list)):
+            return [value(x) for x in v]
+        if v is None or isinstance(v, (bool, int, float, str)):
+            return v
+        return type(v).__qualname__  # an object's repr may hold its address, which differs across ranks
 
     return float(_digest(repr([[(k, value(v)) for k, v in sorted(g.items())] for g in hyper])))
 
