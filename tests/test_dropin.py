@@ -378,3 +378,29 @@ def test_exit_without_finish_is_clean():
         out = run_command([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                            script, "4"], timeout=120)
         assert "terminate called" not in out and out.count("a round in flight: True") == 2, out[-2000:]
+
+
+@pytest.mark.parametrize("reentrant", [True, False])
+def test_activation_checkpointing(reentrant):
+    """Check non-reentrant activation checkpointing trains as without it, and reentrant is refused clearly
+    (its nested backward would be counted as a micro-batch)."""
+    from torch.utils.checkpoint import checkpoint
+
+    def run(ckpt):
+        model = make_model()
+        opt = AccoOptimizer(model.parameters(), microbatches_per_update=2, **KW)
+        for t in range(3):
+            for j in range(2):
+                x = torch.randn(4, 5, generator=torch.Generator().manual_seed(10 * t + j)).requires_grad_()
+                y = torch.zeros(4, 3)
+                h = checkpoint(lambda z: torch.tanh(model.fc1(z)), x, use_reentrant=reentrant) if ckpt else torch.tanh(model.fc1(x))
+                (((model.fc2(h) - y) ** 2).mean() / 2).backward()
+            opt.step()
+        opt.finish()
+        return flat(model)
+
+    if reentrant:
+        with pytest.raises(RuntimeError, match="use_reentrant=False"):
+            run(True)
+    else:
+        assert torch.equal(run(True), run(False))

@@ -264,3 +264,24 @@ def test_docs_list_every_construction_case():
     doc = open(os.path.join(os.path.dirname(__file__), "..", "docs", "errors.md")).read()
     missing = [c[0] for c in CASES if f"| {c[0]} |" not in doc]
     assert not missing, missing
+
+
+def _uneven_update_worker(rank: int, world: int) -> str:
+    model = make_model()
+    opt = AccoOptimizer(model.parameters(), microbatches_per_update=4, lr=1e-2)
+    try:
+        for t in range(3):
+            m = 1 if (t == 1 and rank == 1) else 4  # rank 1's shard runs short in update 1
+            for j in range(m):
+                (loss_fn(model, rank, 4 * t + j) / m).backward()
+            opt.step()
+        opt.finish()
+    except acco.RoundMismatchError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_ranks_that_hand_off_different_rounds_fail_every_rank():
+    """Check an update with an estimate on one rank and none on another (uneven shards) fails on every rank."""
+    for msg in run_ranks(_uneven_update_worker, 2, timeout=120):
+        assert "different rounds" in msg and "same number of micro-batches" in msg, msg

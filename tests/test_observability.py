@@ -79,7 +79,7 @@ def _stats_worker(rank: int, world: int, mode: str) -> list:
 
     def slow_all_gather(flat, shard, group, algorithm="native"):
         orig_ag(flat, shard, group, algorithm)
-        if shard.numel() > 2:  # the weights (not the [count, fingerprint] row): the round ends here
+        if shard.numel() > 3:  # the weights (not the [count, fingerprint, round id] row): the round ends here
             threading.Event().wait(HOLD_S)
             finished.set()
 

@@ -38,7 +38,7 @@ def _overlap_worker(rank: int, world: int, mode: str) -> list:
 
     def logged_all_gather(flat, shard, group, algorithm="native"):
         orig_ag(flat, shard, group, algorithm)
-        if shard.numel() > 2:  # the weights, not the [count, hyper-parameter fingerprint] row
+        if shard.numel() > 3:  # the weights, not the [count, fingerprint, round id] row
             note("all_gather_end")
 
     rounds.reduce_scatter_flat, rounds.all_gather_flat = held_reduce_scatter, logged_all_gather

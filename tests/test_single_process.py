@@ -56,15 +56,27 @@ def test_gradients_accumulate_whatever_the_user_does_with_zero_grad(zero):
 
 
 def test_zero_grad_between_backward_and_step_discards_that_micro_batch():
-    """Check that opt.zero_grad() drops gradients not yet given to step(), as in torch."""
+    """Check that opt.zero_grad() drops gradients not yet given to step(), as in torch, and the update's
+    micro-batch count starts again (a loop skipping a bad batch)."""
+    runs = []
+    for discard in (True, False):
+        model = make_model()
+        opt = AccoOptimizer(model.parameters(), microbatches_per_update=4, lr=1e-2, weight_decay=0.0)
+        for t in range(3):
+            if discard:
+                loss_fn(model, 0, 100 + t).backward()  # a bad batch (before the first half is complete)...
+                opt.zero_grad()  # ...skipped
+            for j in range(4):
+                loss_fn(model, 0, 4 * t + j).backward()
+            opt.step()
+        opt.finish()
+        runs.append(flat(model))
+    assert torch.equal(runs[0], runs[1])
     model = make_model()
-    opt = AccoOptimizer(model.parameters(), mode="sync", lr=1e-2, weight_decay=0.0)
-    loss_fn(model, 0, 0).backward()
-    opt.zero_grad()
-    before = flat(model)
-    opt.step()  # a round on a zero gradient: AdamW moves nothing without weight decay
-    assert torch.equal(flat(model), before)
-    assert all(p.grad is not None and not p.grad.any() for p in model.parameters())
+    opt = AccoOptimizer(model.parameters(), microbatches_per_update=2, lr=1e-2)
+    loss_fn(model, 0, 0).backward()  # the estimate is handed off here
+    with pytest.raises(RuntimeError, match="estimate round .* already handed off"):
+        opt.zero_grad()
 
 
 def test_bf16_compute_copy_with_fp32_master():

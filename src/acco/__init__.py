@@ -9,7 +9,7 @@ from .ddp import disable_gradient_allreduce
 from .grads import ModelMovedError
 from .launch import init_process_group
 from .optimizer import AccoOptimizer
-from .rounds import HyperParameterMismatchError, NonFiniteGradientError, RoundFailedError
+from .rounds import HyperParameterMismatchError, NonFiniteGradientError, RoundFailedError, RoundMismatchError
 from .scheduler import StreamScheduler
 
 __all__ = [
@@ -19,6 +19,7 @@ __all__ = [
     "ModelMovedError",
     "NonFiniteGradientError",
     "RoundFailedError",
+    "RoundMismatchError",
     "StreamScheduler",
     "disable_gradient_allreduce",
     "init_process_group",

@@ -34,6 +34,7 @@ exactly where the uninterrupted one would.
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import shutil
 from typing import TYPE_CHECKING, Any, Dict, Optional
@@ -43,6 +44,8 @@ import torch.distributed as dist
 
 from .collectives import all_gather_flat
 from .rounds import RoundKind
+
+log = logging.getLogger("acco")
 
 if TYPE_CHECKING:  # pragma: no cover
     from .optimizer import AccoOptimizer
@@ -212,15 +215,40 @@ def checksums(opt: "AccoOptimizer", sd: Dict[str, Any]) -> Dict[str, torch.Tenso
     return out
 
 
+def _replicated_only(opt: "AccoOptimizer", sums: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
+    """Drop the checksums of entries that differ across ranks (DCP keeps one rank's copy of a plain entry,
+    so no single checksum would fit; e.g. BatchNorm statistics without ``buffers=``). Collective."""
+    if opt._group is None or not dist.is_initialized():
+        return sums
+    keys = sorted(sums)
+    mine = torch.stack([sums[k] for k in keys]).to(opt._params[0].device)
+    everyone = [torch.empty_like(mine) for _ in range(opt.world_size)]
+    dist.all_gather(everyone, mine, group=opt._group)
+    differ = [k for i, k in enumerate(keys) if any(int(e[i]) != int(mine[i]) for e in everyone)]
+    if differ:
+        log.warning("acco.checkpoint.save: %s differ across ranks; the checkpoint keeps one rank's copy, unverified",
+                    differ)
+    return {k: v for k, v in sums.items() if k not in differ}
+
+
 def _is_slice(path: str) -> bool:
     return path in ("optim/master", "optim/params") or path.startswith("optim/state/")
 
 
-def verify(opt: "AccoOptimizer", sd: Dict[str, Any], expected: Dict[str, torch.Tensor], where: str) -> None:
-    """Raise :class:`CheckpointError` naming the first entry whose checksum differs. Collective if sharded."""
+def verify(opt: "AccoOptimizer", sd: Dict[str, Any], expected: Dict[str, torch.Tensor], where: str,
+           subset: bool = False) -> None:
+    """Raise :class:`CheckpointError` naming the first entry whose checksum differs (``subset``: entries
+    without a stored checksum pass, as :func:`save` drops those that differ across ranks). Collective if sharded."""
     got = checksums(opt, sd)
+    if subset:
+        got = {k: v for k, v in got.items() if k in expected}
+    if set(got) != set(expected):
+        raise CheckpointError(
+            f"{where}: the checksummed entries {sorted(set(expected) ^ set(got))} are missing on one side: the file "
+            "was damaged or edited. Nothing was loaded; use another checkpoint."
+        )
     for key, value in expected.items():
-        if key in got and int(got[key]) != int(value):
+        if int(got[key]) != int(value):
             raise CheckpointError(
                 f"{where}: entry {key!r} does not match its checksum: the file was damaged after it was written "
                 "(disk, copy, truncation). Nothing was loaded; use another checkpoint."
@@ -239,7 +267,8 @@ def describe(opt: "AccoOptimizer") -> Dict[str, Any]:
     cls = opt.optimizer_class
     digest = hashlib.sha256(repr(opt.layout.shapes).encode()).hexdigest()[:16]
     return {"format": FORMAT_VERSION, "mode": opt.mode, "optimizer": f"{cls.__module__}.{cls.__qualname__}",
-            "layout": f"{opt.layout.numel} elements in {len(opt.layout.shapes)} tensors, shapes {digest}"}
+            "layout": f"{opt.layout.numel} elements in {len(opt.layout.shapes)} tensors, shapes {digest}",
+            "dtypes": f"compute {opt.compute_dtype}, master {opt._buffers.master.dtype}"}
 
 
 def _encode(meta: Dict[str, Any]) -> Dict[str, torch.Tensor]:
@@ -259,7 +288,8 @@ def check_compatible(opt: "AccoOptimizer", saved: Dict[str, Any], rank_shard: bo
         raise ValueError(f"AccoOptimizer state dict of format {saved.get('format')!r}; this acco reads format {FORMAT_VERSION}")
     for key, fix in (("mode", "build the AccoOptimizer with mode={!r} to resume it"),
                      ("optimizer", "build the AccoOptimizer around {} to resume it"),
-                     ("layout", "resume with the same model (the same trainable parameters, in the same order): {}")):
+                     ("layout", "resume with the same model (the same trainable parameters, in the same order): {}"),
+                     ("dtypes", "build the AccoOptimizer with the same compute_dtype ({})")):
         if saved.get(key) != mine[key]:
             raise ValueError(
                 f"AccoOptimizer.load_state_dict(): the state dict was written with {key} {saved.get(key)!r}, this "
@@ -364,28 +394,37 @@ def _meta_template(meta_keys) -> Dict[str, torch.Tensor]:
     return {k: torch.zeros(shape, dtype=torch.int64 if len(shape) == 0 else torch.uint8) for k, shape in meta_keys.items()}
 
 
-def load_state_dict(opt: "AccoOptimizer", sd: Dict[str, Any]) -> None:
-    """Restore :func:`state_dict` output: this rank's own (same world size), or the sharded form through DCP
-    (any world size). Refuses anything else before changing any state. Collective."""
+def check_loadable(opt: "AccoOptimizer", sd: Dict[str, Any]) -> None:
+    """Everything :func:`load_state_dict` refuses, checked on every rank and agreed on before any rank changes
+    anything (a refusal on one rank raises on all). Collective."""
     error: Optional[BaseException] = None
     try:
         kind = _classify(sd)
         saved = sd["acco"] if kind == "rank_shard" else _decode(sd["meta"])
         check_compatible(opt, saved, rank_shard=kind == "rank_shard")
         if kind == "rank_shard":
+            if not isinstance(sd.get("checksums"), dict):
+                raise CheckpointError("AccoOptimizer.load_state_dict(): the state dict has no checksums. Nothing was loaded.")
             body = {k: v for k, v in sd.items() if k not in ("acco", "checksums")}
-            verify(opt, {"optim": body}, sd.get("checksums", {}), "AccoOptimizer.load_state_dict()")
-        counters = [int(v) for v in sd["counters"].tolist()]
-        saved_m = counters[7] or None
+            verify(opt, {"optim": body}, sd["checksums"], "AccoOptimizer.load_state_dict()")
+        saved_m = int(sd["counters"][7]) or None
         if saved_m is not None and opt.microbatches_per_update not in (None, saved_m):
             raise ValueError(
                 f"AccoOptimizer.load_state_dict(): the state dict was written with microbatches_per_update="
                 f"{saved_m}, this optimizer has {opt.microbatches_per_update}. Nothing was loaded."
             )
         _require_boundary(opt, "load_state_dict")
-    except (ValueError, RuntimeError) as exc:
+    except Exception as exc:  # whatever it is, every rank must hear of it before the load's collectives
         error = exc
     _agree(opt, error)
+
+
+def load_state_dict(opt: "AccoOptimizer", sd: Dict[str, Any], checked: bool = False) -> None:
+    """Restore :func:`state_dict` output: this rank's own (same world size), or the sharded form through DCP
+    (any world size). Refuses anything else before changing any state. Collective."""
+    if not checked:
+        check_loadable(opt, sd)
+    counters = [int(v) for v in sd["counters"].tolist()]
     opt._collect()
     opt._pending = None
     real = opt.layout.real_numel(opt.rank)
@@ -408,7 +447,7 @@ def load_state_dict(opt: "AccoOptimizer", sd: Dict[str, Any]) -> None:
         opt.num_rounds, opt.num_updates, opt.num_skipped_updates = counters[:3]
         opt._committed_mb.fill_(counters[3])
         opt._commits_handed_off, opt._holds_estimate = counters[5], bool(counters[6])
-        opt.microbatches_per_update = saved_m if opt.mode == "acco" or saved_m else opt.microbatches_per_update
+        opt.microbatches_per_update = counters[7] or opt.microbatches_per_update
         if counters[4]:  # a commit was collected at save time: its weights go in at the next hand-off
             opt._comm.zero_()
             opt._comm[: opt.layout.numel].copy_(_gather_full(opt, master[:real].to(opt.compute_dtype)))
@@ -463,8 +502,6 @@ def load_consolidated_state_dict(opt: "AccoOptimizer", sd: Dict[str, Any]) -> No
     model's weights first. Call on all ranks (each keeps its slice).
     """
     _require_boundary(opt, "load_consolidated_state_dict")
-    opt._collect()
-    opt._pending = None
     if len(sd["param_groups"]) != len(opt.param_groups) or any(
         len(g["params"]) != len(h["params"]) for g, h in zip(sd["param_groups"], opt.param_groups)
     ):
@@ -473,6 +510,9 @@ def load_consolidated_state_dict(opt: "AccoOptimizer", sd: Dict[str, Any]) -> No
             f"{[len(g['params']) for g in sd['param_groups']]} do not match this optimizer's "
             f"{[len(g['params']) for g in opt.param_groups]} (parameters per group)"
         )
+    opt._collect()
+    opt._pending = None  # the master comes from the model's weights: those are now the committed ones
+    opt._holds_estimate = False
     pieces = opt.layout.pieces(opt.rank)
     master = opt._buffers.master
     real = opt.layout.real_numel(opt.rank)
@@ -522,7 +562,7 @@ def save(path: str, optimizer: "AccoOptimizer", *, model: Optional[torch.nn.Modu
     sd: Dict[str, Any] = {"optim": state_dict(optimizer, sharded=True), "extra": dict(extra or {})}
     if model is not None:
         sd["model"] = model.state_dict()
-    sd["checksums"] = checksums(optimizer, sd)  # verified by load(): a damaged file is refused
+    sd["checksums"] = _replicated_only(optimizer, checksums(optimizer, sd))  # verified by load()
     tmp, old = f"{path}.tmp", f"{path}.old"
     if _rank0(group):
         shutil.rmtree(tmp, ignore_errors=True)
@@ -597,8 +637,9 @@ def load(path: str, optimizer: "AccoOptimizer", *, model: Optional[torch.nn.Modu
     sd["checksums"] = {k: torch.zeros((), dtype=torch.int64) for k in sum_keys}
     read(sd)
     expected = sd.pop("checksums")
-    verify(optimizer, sd, expected, where)
+    verify(optimizer, {k: v for k, v in sd.items()}, expected, where, subset=True)
+    check_loadable(optimizer, sd["optim"])  # before the model changes
     if model is not None:
         model.load_state_dict(sd["model"])
-    load_state_dict(optimizer, sd["optim"])
+    load_state_dict(optimizer, sd["optim"], checked=True)
     return sd["extra"]

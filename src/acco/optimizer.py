@@ -26,6 +26,7 @@ import contextlib
 import datetime
 import hashlib
 import logging
+import sys
 import weakref
 from collections import deque
 from functools import partial
@@ -46,6 +47,7 @@ from .rounds import (
     OptimizerSnapshot,
     RoundFailedError,
     RoundKind,
+    RoundMismatchError,
     RoundResult,
     ShardBuffers,
     round_kind,
@@ -236,8 +238,8 @@ class AccoOptimizer(torch.optim.Optimizer):
             grad=torch.zeros_like(master),
             count=torch.zeros(1, dtype=master_dtype, device=device),
             rank_counts=torch.zeros(self.world_size, dtype=master_dtype, device=device),
-            row=torch.zeros(2, dtype=torch.float64, device=device),
-            rows=torch.zeros(2 * self.world_size, dtype=torch.float64, device=device),
+            row=torch.zeros(3, dtype=torch.float64, device=device),
+            rows=torch.zeros(3 * self.world_size, dtype=torch.float64, device=device),
             staging=None if cd == master_dtype else torch.zeros(self.layout.shard_size, dtype=cd, device=device),
             collectives=ring_algorithm(self._round_group),
         )
@@ -273,7 +275,6 @@ class AccoOptimizer(torch.optim.Optimizer):
         self.scheduler = StreamScheduler(device)
         self._since_handoff = 0  # micro-batches folded since the last hand-off
         self._in_accum = 0  # micro-batches in the accumulation buffer
-        self._grads_dirty = False
         self._finished = False
         self._failed: Optional[BaseException] = None
         self._in_committed_view = False
@@ -294,14 +295,14 @@ class AccoOptimizer(torch.optim.Optimizer):
         self._committed_mb = torch.zeros((), dtype=torch.float64, device=device)
         self._backward_queued = -1  # id of the autograd graph task whose end-of-backward callback is queued
         self._mb_in_update = 0  # backward() calls since the last step() (one step() per update)
-        # Weak references: parameters (hooks) and the interpreter (atexit) must not keep the
-        # optimizer and its process group alive in a cycle that only the collector breaks at exit.
+        # Weak references: parameters (hooks) and the exit handler must not keep the optimizer and
+        # its process group alive in a cycle that only the collector breaks at exit.
         self_ref = weakref.ref(self)
         self._constructed = True  # add_param_group() from here on would change the layout: refused
         self._hook_handles = [
             p.register_post_accumulate_grad_hook(partial(_after_accumulate, self_ref, i)) for i, p in enumerate(self._params)
         ]
-        atexit.register(_close_at_exit, self_ref)
+        _LIVE.add(self)  # closed at interpreter exit if finish() never came
 
     # ------------------------------------------------------------------ checks
 
@@ -424,11 +425,12 @@ class AccoOptimizer(torch.optim.Optimizer):
         if self._in_committed_view:
             raise RuntimeError("AccoOptimizer: backward() inside opt.committed_weights(); call it after the block")
         self._binding.after_accumulate(index)
-        self._grads_dirty = True
+        self._at_boundary = False
         if self.accumulate_while_communicating:
             return
         task = torch._C._current_graph_task_id()
         if task != self._backward_queued:
+            _refuse_reentrant_backward()
             self._backward_queued = task
             # Once per backward pass, as DDP and FSDP do: runs when the whole backward has finished.
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
@@ -457,7 +459,6 @@ class AccoOptimizer(torch.optim.Optimizer):
         self._binding.check_untouched(self._clip_hint, strict=False)
         self._accum.add_(self._grads)
         self._binding.zero_()
-        self._grads_dirty = False
         self._at_boundary = False
         self._since_handoff += 1
         self._in_accum += 1
@@ -466,12 +467,22 @@ class AccoOptimizer(torch.optim.Optimizer):
         """Discard the gradients of the micro-batches since the last ``step()``, as torch's optimizers do.
 
         ``.grad`` stays bound to the library's flat buffer (zeroed in place)
-        whatever ``set_to_none`` says, so no memory is reallocated. With
-        ``accumulate_while_communicating`` the gradients already given to
-        ``step()`` belong to the library and are kept.
+        whatever ``set_to_none`` says, so no memory is reallocated. The update
+        then counts its micro-batches from zero again; in mode acco, once the
+        update's estimate is handed off its first half cannot be taken back:
+        that raises. With ``accumulate_while_communicating`` the gradients
+        already given to ``step()`` belong to the library and are kept.
         """
+        if self._estimate_in_update:
+            raise RuntimeError(
+                "AccoOptimizer.zero_grad() in the middle of an update whose estimate round (its first "
+                f"{self.microbatches_per_update // 2} micro-batches) is already handed off: those gradients cannot "
+                "be discarded. Call zero_grad() after step() (or before the update's first backward())"
+            )
         self._binding.zero_()
-        self._grads_dirty = False
+        if not self.accumulate_while_communicating:
+            self._mb_in_update = 0
+            self._at_boundary = True
 
     # ------------------------------------------------------------------ rounds
 
@@ -486,7 +497,7 @@ class AccoOptimizer(torch.optim.Optimizer):
             return None
         try:
             result = self.scheduler.wait()
-        except (NonFiniteGradientError, HyperParameterMismatchError) as exc:  # every rank raises alike
+        except (NonFiniteGradientError, HyperParameterMismatchError, RoundMismatchError) as exc:  # all ranks alike
             self._failed = exc
             raise
         except BaseException as exc:
@@ -540,6 +551,7 @@ class AccoOptimizer(torch.optim.Optimizer):
             self.nonfinite,
             grad_scale,
             hyper_fingerprint(self._update_hyper),
+            2 * self.num_rounds + int(kind is RoundKind.ESTIMATE),  # the same on every rank, or all raise
         )
         self.num_rounds += 1
         if kind is RoundKind.COMMIT:
@@ -570,7 +582,6 @@ class AccoOptimizer(torch.optim.Optimizer):
         return loss
 
     def _update_step(self) -> None:
-        self._binding.check_untouched(self._clip_hint)
         m = self._mb_in_update
         if m == 0:
             raise RuntimeError(
@@ -579,6 +590,7 @@ class AccoOptimizer(torch.optim.Optimizer):
                 "model's parameters were replaced after AccoOptimizer was built (model.to() to another device "
                 "type, load_state_dict(assign=True), ...): build the optimizer after moving the model"
             )
+        self._binding.check_untouched(self._clip_hint)
         synchronous = self.mode == "sync"
         if self.mode == "acco" and self.microbatches_per_update is None:
             self._learn_microbatches(m)
@@ -694,9 +706,12 @@ class AccoOptimizer(torch.optim.Optimizer):
             if not self._finished:
                 self._finished = True
                 self.scheduler.close(wait=False, join_timeout=0.0)
+                self._remove_hooks()
             raise RuntimeError("AccoOptimizer.finish(): a previous round failed; nothing to finish") from self._failed
         if self._finished:
             return
+        if self._in_committed_view:
+            raise RuntimeError("AccoOptimizer.finish() inside opt.committed_weights(): call it after the block")
         try:
             self._check_same_round_count()
             self._collect()
@@ -709,7 +724,16 @@ class AccoOptimizer(torch.optim.Optimizer):
         with torch.no_grad():
             self._accum.zero_()
         self._in_accum = self._since_handoff = self._mb_in_update = 0
-        self._holds_estimate = False
+        self._holds_estimate = self._estimate_in_update = False
+        self._at_boundary = True
+        self._remove_hooks()
+
+    def _remove_hooks(self) -> None:
+        """A finished optimizer no longer reacts to backward (a new one may own the parameters)."""
+        for handle in self._hook_handles:
+            handle.remove()
+        self._hook_handles = []
+        _LIVE.discard(self)
 
     def _close_at_exit(self) -> None:
         """At interpreter exit without finish(): let the in-flight round end, then release the round group
@@ -813,6 +837,7 @@ class AccoOptimizer(torch.optim.Optimizer):
         in the compute dtype; ``master``, ``master_grad``, ``staging``, ``optimizer_state``
         and ``estimate_scratch`` are this rank's 1/N slice. Local: no collective.
         """
+        self._collect()  # the round's worker fills the state and the scratch: read them after it
         b = self._buffers
         state = [v for st in self.local_optimizer.state.values() for v in st.values()]
         scratch = [] if self._snapshot is None else self._snapshot.tensors()
@@ -868,7 +893,26 @@ def _after_accumulate(opt_ref: "weakref.ref[AccoOptimizer]", index: int, _param:
         opt._on_grad_accumulated(index)
 
 
-def _close_at_exit(opt_ref: "weakref.ref[AccoOptimizer]") -> None:
-    opt = opt_ref()
-    if opt is not None:
+_LIVE: "weakref.WeakSet[AccoOptimizer]" = weakref.WeakSet()
+
+
+@atexit.register
+def _close_all_at_exit() -> None:
+    for opt in list(_LIVE):
         opt._close_at_exit()
+
+
+def _refuse_reentrant_backward() -> None:
+    """Raise if this backward runs inside another one (reentrant activation checkpointing): its end would be
+    taken for the end of a micro-batch. Called once per backward pass, so the stack walk costs little."""
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if code.co_name == "backward" and code.co_filename.replace("\\", "/").endswith("torch/utils/checkpoint.py"):
+            raise RuntimeError(
+                "AccoOptimizer: a backward() inside another (activation checkpointing with use_reentrant=True): "
+                "one step() per update counts backward passes as micro-batches. Use "
+                "torch.utils.checkpoint.checkpoint(..., use_reentrant=False) (HF: "
+                "gradient_checkpointing_kwargs={'use_reentrant': False})"
+            )
+        frame = frame.f_back

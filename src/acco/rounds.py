@@ -32,6 +32,7 @@ __all__ = [
     "OptimizerSnapshot",
     "RoundFailedError",
     "RoundKind",
+    "RoundMismatchError",
     "RoundResult",
     "ShardBuffers",
     "clip_coefficient",
@@ -64,8 +65,8 @@ class ShardBuffers:
     dtypes differ (receives the reduce-scatter, sends the all-gather).
     ``count``: one element on the device, the micro-batch count over all ranks.
     ``rank_counts``: one element per rank, each rank's micro-batch count.
-    ``row``/``rows``: this rank's ``[micro-batch count, hyper-parameter fingerprint]``
-    and every rank's, end to end (one all-gather carries both).
+    ``row``/``rows``: this rank's ``[micro-batch count, hyper-parameter fingerprint,
+    round id]`` and every rank's, end to end (one all-gather carries all three).
     """
 
     comm: torch.Tensor
@@ -156,6 +157,10 @@ class RoundFailedError(RuntimeError):
     """A round's collectives failed: usually a peer died or stalled. The optimizer cannot continue."""
 
 
+class RoundMismatchError(RuntimeError):
+    """The ranks handed off different rounds (an estimate on one, a commit on another); raised on every rank."""
+
+
 class HyperParameterMismatchError(RuntimeError):
     """The ranks handed off one round with different hyper-parameters (raised on every rank alike)."""
 
@@ -186,6 +191,7 @@ def run_round(
     nonfinite: str = "skip",
     grad_scale: Optional[float] = None,
     hyper_fingerprint: float = 0.0,
+    round_id: int = 0,
 ) -> RoundResult:
     """Run one round on the current thread/stream. Collective: call on all ranks.
 
@@ -213,12 +219,20 @@ def run_round(
     :class:`HyperParameterMismatchError` before any step.
     """
     b = buffers
-    b.row[0], b.row[1] = float(local_microbatches), hyper_fingerprint
-    all_gather_flat(b.rows, b.row, group)  # every rank's [micro-batch count, hyper-parameter fingerprint]
-    pairs = b.rows.view(-1, 2)
+    b.row[0], b.row[1], b.row[2] = float(local_microbatches), hyper_fingerprint, float(round_id)
+    all_gather_flat(b.rows, b.row, group)  # every rank's [micro-batch count, hyper fingerprint, round id]
+    pairs = b.rows.view(-1, 3)
     b.rank_counts.copy_(pairs[:, 0])
     torch.sum(b.rank_counts, dim=0, keepdim=True, out=b.count)
-    if not bool((pairs[:, 1] == pairs[0, 1]).all()):  # a host sync, on the round's own thread
+    ids = pairs[:, 2].tolist()  # a host sync, on the round's own thread
+    if len(set(ids)) > 1:
+        described = [f"round {int(i) // 2} {'estimate' if int(i) % 2 else 'commit'}" for i in ids]
+        raise RoundMismatchError(
+            f"the ranks handed off different rounds ({described}, rank i at index i): usually some rank ran a "
+            "different number of micro-batches in an update (an uneven data shard at the end of an epoch). "
+            "Give every rank the same number of micro-batches per update"
+        )
+    if not bool((pairs[:, 1] == pairs[0, 1]).all()):
         raise HyperParameterMismatchError(
             f"{kind.value} round: the ranks handed it off with different hyper-parameters (lr, betas, "
             "weight_decay, ... of the param groups): a scheduler or your code changed them on some ranks only. "
