@@ -2,10 +2,11 @@
 
 The recipe (the README shows the whole loop)::
 
-    model, loader, scheduler = accelerator.prepare(model, loader, scheduler)   # not the optimizer
+    model, loader = accelerator.prepare(model, loader)   # not the optimizer
     opt = AccoOptimizer(model.parameters(), torch.optim.AdamW, microbatches_per_update=4,
                         max_grad_norm=1.0, buffers=model.buffers(), lr=3e-4)
     acco.integrations.accelerate.prepare(accelerator, model, opt)
+    scheduler = accelerator.prepare(torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda))
     for batch in loader:
         with accelerator.accumulate(model):
             accelerator.backward(model(**batch).loss)

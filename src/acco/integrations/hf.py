@@ -21,7 +21,10 @@ and ``acco_kwargs``. What it changes, and why:
 * **Evaluation and the end of training.** ``evaluate``/``predict`` see the
   committed weights (not the estimate the model holds between updates), and
   ``train()`` ends with ``finish()``, so the model then holds the last
-  committed weights.
+  committed weights (a later ``train()`` on the same trainer builds a new
+  optimizer and scheduler; ``resume_from_checkpoint`` restores them).
+* Not covered: Ray Tune's checkpointing (``_tune_save_checkpoint``) still
+  saves only the first rank's optimizer shard.
 * **Buffers** (BatchNorm statistics) are broadcast from the first rank at every
   update, as DDP does.
 """
@@ -29,6 +32,7 @@ and ``acco_kwargs``. What it changes, and why:
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 from typing import Any, Dict, Optional
 
@@ -44,6 +48,8 @@ except ImportError as exc:  # pragma: no cover - exercised only without transfor
     raise ImportError("acco.integrations.hf needs transformers: pip install 'acco[hf]'") from exc
 
 __all__ = ["AccoTrainer", "CHECKPOINT_DIR"]
+
+logger = logging.getLogger("acco")
 
 # The Trainer methods AccoTrainer overrides (transformers 5.x; tested with 5.23.0).
 _OVERRIDDEN = ("create_optimizer", "training_step", "_clip_grad_norm", "_get_grad_norm", "evaluate", "predict",
@@ -93,6 +99,11 @@ class AccoTrainer(Trainer):
         return opt
 
     def create_optimizer(self, model: Optional[torch.nn.Module] = None) -> torch.optim.Optimizer:
+        if self.acco_optimizer is not None and self.acco_optimizer._finished:
+            # A later train() on this Trainer: the last one ended its optimizer with finish(). Build a new one
+            # (and a new scheduler for it); resume_from_checkpoint then restores both, else they start afresh.
+            logger.warning("AccoTrainer: train() again: a new AccoOptimizer (the previous train() finished its own)")
+            self.optimizer, self.lr_scheduler = None, None
         if self.optimizer is None:
             plain = super().create_optimizer(model)  # Trainer's choice of class, hyper-parameters and groups
             groups = [dict(g) for g in plain.param_groups if g["params"]]
