@@ -9,9 +9,9 @@ import argparse
 import json
 import math
 import os
-import sysconfig
 
 import torch
+from bytes_data import SEQ, Bytes
 from accelerate import Accelerator
 from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -25,20 +25,7 @@ parser.add_argument("--save-at", type=int, default=-1)
 parser.add_argument("--resume", default=None)
 cli = parser.parse_args()
 os.makedirs(cli.out, exist_ok=True)
-SEQ, UPDATES, ACCUM = 64, 30, 2
-
-
-class Bytes(torch.utils.data.Dataset):
-    def __init__(self, start: int, n: int) -> None:
-        path = os.path.join(sysconfig.get_paths()["stdlib"], "argparse.py")
-        data = torch.frombuffer(bytearray(open(path, "rb").read()), dtype=torch.uint8).long()
-        self.rows = [data[start + i * SEQ : start + (i + 1) * SEQ] for i in range(n)]
-
-    def __len__(self):
-        return len(self.rows)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.rows[i], "labels": self.rows[i]}
+UPDATES, ACCUM = 30, 2
 
 
 def lr_lambda(t):

@@ -7,27 +7,13 @@ Writes OUT/result.json (eval loss, large all-reduces seen in backward) and OUT/f
 import json
 import os
 import sys
-import sysconfig
 
 import torch
+from bytes_data import SEQ, Bytes
 from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
 
 out, variant = sys.argv[1], sys.argv[2]
 resume = sys.argv[3] if len(sys.argv) > 3 else None
-SEQ = 64
-
-
-class Bytes(torch.utils.data.Dataset):
-    def __init__(self, start: int, n: int) -> None:
-        path = os.path.join(sysconfig.get_paths()["stdlib"], "argparse.py")
-        data = torch.frombuffer(bytearray(open(path, "rb").read()), dtype=torch.uint8).long()
-        self.rows = [data[start + i * SEQ : start + (i + 1) * SEQ] for i in range(n)]
-
-    def __len__(self):
-        return len(self.rows)
-
-    def __getitem__(self, i):
-        return {"input_ids": self.rows[i], "labels": self.rows[i]}
 
 
 class CountAllReduces(TrainerCallback):

@@ -28,17 +28,16 @@ def test_overlap_and_report_smoke(tmp_path):
     """Check overlap.py writes one record per method with tokens/s, utilisation and round statistics,
     and report.py turns them into tables and a plot."""
     out = tmp_path / "overlap.jsonl"
-    methods = "compute,acco,acco:ring0,dpu,sync,ddp-zero"
+    methods = "compute,acco,sync,ddp-zero"  # acco:ring0 and dpu are the same worker with another flag/mode
     run_command([sys.executable, str(BENCH / "overlap.py"), "--loopback", "--smoke", "--methods", methods,
                  "--out", str(out)], timeout=300)
     recs = {r["label"]: r for r in _records(out)}
     assert list(recs) == methods.split(",")
     assert all(r["tokens_per_s"] > 0 and r["microbatches"] > 0 for r in recs.values())
     assert recs["compute"]["utilisation"] == 1.0
-    for label in ("acco", "acco:ring0", "dpu", "sync"):
+    for label in ("acco", "sync"):
         s = recs[label]["summary"]
         assert s["rounds"] > 0 and s["round_s"] > 0 and len(s["microbatches_per_rank"]) == 2
-    assert recs["acco:ring0"]["acco_ring"] == "0"
     # equal tokens per update: 2 micro-batches per rank, timed updates only
     assert recs["acco"]["microbatches"] == recs["sync"]["microbatches"] == recs["ddp-zero"]["microbatches"] == 8
     plot = tmp_path / "overlap.png"
@@ -51,9 +50,9 @@ def test_hetero_smoke(tmp_path):
     """Check hetero.py: the slowed rank contributes fewer micro-batches per round to acco-acc."""
     out = tmp_path / "hetero.jsonl"
     run_command([sys.executable, str(BENCH / "hetero.py"), "--loopback", "--smoke", "--methods",
-                 "compute,acco-acc,sync,ddp-zero", "--out", str(out)], timeout=300)
+                 "compute,acco-acc,sync", "--out", str(out)], timeout=300)
     recs = {r["label"]: r for r in _records(out)}
-    assert set(recs) == {"compute", "acco-acc", "sync", "ddp-zero"}
+    assert set(recs) == {"compute", "acco-acc", "sync"}
     assert all(r["slow_rank"] == 1 and r["tag"] == "hetero" for r in recs.values())
     fast, slow = recs["acco-acc"]["summary"]["microbatches_per_rank"]
     assert fast >= slow

@@ -170,29 +170,3 @@ def test_ranks_with_different_round_counts_fail_at_finish_instead_of_hanging():
     """Check that finish() reports ranks that handed off different numbers of rounds, on every rank."""
     for msg in run_ranks(_mismatch_worker, 2, timeout=90):
         assert "different numbers of rounds [3, 4]" in msg, msg
-
-
-def _stall_worker(rank, world, marker):
-    model = make_model()
-    # accumulate_while_communicating=True, max_microbatches=1: the healthy rank must wait inside the round (unbounded, it would keep
-    # accumulating and then wait in finish()'s check, on the user's group and its timeout).
-    opt = AccoOptimizer(model.parameters(), mode="dpu", accumulate_while_communicating=True, max_microbatches=1, timeout=datetime.timedelta(seconds=3), **KW)
-    try:
-        for i in range(20):
-            if rank == 1 and i == 2:
-                time.sleep(25)  # stalls while its peer's round waits in a collective
-                return {"peer_raised_while_stalled": os.path.exists(marker)}
-            loss_fn(model, rank, i).backward()
-            opt.step()
-        opt.finish()
-    except RuntimeError as exc:
-        open(marker, "w").close()
-        return {"raised": type(exc).__name__ + ": " + str(exc)[:200]}
-    return {"raised": None}
-
-
-def test_a_stalled_peer_makes_the_others_raise_within_the_timeout(tmp_path):
-    """Check that a round whose peer stalls raises on the waiting rank while the peer is still stalled."""
-    waiting, stalled = run_ranks(_stall_worker, 2, str(tmp_path / "raised"), timeout=90)
-    assert waiting["raised"] is not None, waiting
-    assert stalled == {"peer_raised_while_stalled": True}, (waiting, stalled)
