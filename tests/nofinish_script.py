@@ -1,5 +1,6 @@
 """A torchrun script that trains in mode acco and exits without finish(), as Trainer-less loops do."""
 
+import logging
 import os
 import sys
 
@@ -10,6 +11,7 @@ from tinynet import loss_fn, make_model  # noqa: E402
 
 from acco import AccoOptimizer  # noqa: E402
 
+logging.basicConfig(level=logging.INFO, format="%(message)s")  # the exit handler says what it did
 dist.init_process_group("gloo")
 rank = dist.get_rank()
 model = make_model()

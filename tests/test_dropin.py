@@ -372,6 +372,7 @@ def test_exit_without_finish_is_clean():
     out = run_command([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                        script, "4"], timeout=120)
     assert "terminate called" not in out and out.count("a round in flight: True") == 2, out[-2000:]
+    assert out.count("closed at exit without finish()") == 2, out[-2000:]  # the handler ran on both ranks
 
 
 @pytest.mark.parametrize("reentrant", [True, False])

@@ -745,6 +745,7 @@ class AccoOptimizer(torch.optim.Optimizer):
         self.scheduler.close(wait=False, join_timeout=0.0 if stuck else 60.0)
         if not stuck and not self.scheduler.worker_alive():
             self._release_round_group()
+            log.info("acco: closed at exit without finish(): the in-flight round ended, the round group released")
 
     def _release_round_group(self) -> None:
         """Destroy the process group the rounds used, now rather than at interpreter exit.
