@@ -399,3 +399,16 @@ def test_activation_checkpointing(reentrant):
             run(True)
     else:
         assert torch.equal(run(True), run(False))
+
+
+def test_default_loop_holds_no_separate_grad_buffer():
+    """Check .grad is the accumulation buffer's views in the default loop (three full-size buffers, not four)."""
+    model = make_model()
+    opt = AccoOptimizer(model.parameters(), microbatches_per_update=2, **KW)
+    _train(model, opt, updates=1)
+    rep = opt.memory_report()
+    assert rep["grads"] == 0 and rep["accum"] == rep["comm"] == rep["params"]
+    loss_fn(model, 0, 50).backward()  # after model.zero_grad(): backward's gradients land in the buffer again
+    accum = opt._accum.untyped_storage().data_ptr()
+    assert all(p.grad.untyped_storage().data_ptr() == accum for p in model.parameters())
+    opt.finish()
