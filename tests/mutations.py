@@ -4,7 +4,7 @@ Run from the repository root: ``.venv/bin/python tests/mutations.py [M1 M3 ...]`
 targeted tests' outcome with the mutation in place (a failure is the expected result); the source is
 restored afterwards. Not collected by pytest.
 """
-import subprocess, sys, shutil
+import subprocess, sys
 cases = [
  ("M1 no theta_t install at the estimate hand-off", "src/acco/optimizer.py",
   "        self._install_pending()  # the previous round's weights are the model's for the micro-batches after this hand-off",

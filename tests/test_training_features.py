@@ -2,10 +2,7 @@
 
 from __future__ import annotations
 
-import datetime
 import importlib.util
-import os
-import time
 
 import pytest
 import torch

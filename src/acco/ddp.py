@@ -17,7 +17,6 @@ import warnings
 from typing import Iterable, List
 
 import torch
-import torch.distributed as dist
 from torch.nn.parallel import DistributedDataParallel
 
 __all__ = ["disable_gradient_allreduce", "check_not_reducing_twice"]
