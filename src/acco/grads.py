@@ -103,8 +103,7 @@ class GradBinding:
                     self.views[i].zero_()
                     self._rebind(i)
                 elif g.data_ptr() != self._ptrs[i] and g is self.views[i]:  # model.to() after backward
-                    self.check_placement(i)
-                    self._rebind(i).copy_(g)
+                    self.after_accumulate(i)  # the same re-binding a backward does
                 elif g.data_ptr() != self._ptrs[i]:
                     raise RuntimeError(
                         f"AccoOptimizer.step(): p.grad of parameter {i} {tuple(p.shape)} was replaced by another "

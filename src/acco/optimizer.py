@@ -606,15 +606,9 @@ class AccoOptimizer(torch.optim.Optimizer):
         if not self._estimate_in_update:
             self._update_hyper = self._hyperparams()
         self._handoff(RoundKind.COMMIT, m, 1.0 / self.world_size)
-        if synchronous:
-            self._collect()
-            self._install_pending()
         self._mb_in_update = 0
         self._estimate_in_update = False
-        self._at_boundary = True
-        for scheduler in self._lr_schedulers:
-            scheduler.step()
-        self._sync_buffers()
+        self._after_handoff(RoundKind.COMMIT, synchronous)
 
     def _learn_microbatches(self, m: int) -> None:
         """Mode acco without microbatches_per_update: the first update's count, the same on every rank."""
@@ -650,7 +644,12 @@ class AccoOptimizer(torch.optim.Optimizer):
         if self.mode != "acco" or kind is RoundKind.ESTIMATE:
             self._update_hyper = self._hyperparams()  # both rounds of one acco update use the same
         self._handoff(kind, count, None)
-        if self.mode == "sync":
+        self._after_handoff(kind, self.mode == "sync")
+
+    def _after_handoff(self, kind: RoundKind, synchronous: bool) -> None:
+        """After a hand-off, in both loops: a synchronous round completes and its weights go into the model;
+        a commit ends the update (a checkpoint boundary; attached schedulers and model buffers move)."""
+        if synchronous:
             self._collect()
             self._install_pending()
         if kind is RoundKind.COMMIT:
