@@ -42,7 +42,7 @@ def group_rank(group: Optional[dist.ProcessGroup]) -> int:
 
 
 def ring_algorithm(group: Optional[dist.ProcessGroup]) -> str:
-    """``"ring"`` on gloo, ``"native"`` elsewhere; ``ACCO_RING=0|1`` overrides.
+    """``"ring"`` on gloo, ``"native"`` elsewhere; ``ACCO_RING=0|1`` overrides (``1`` is refused on NCCL).
 
     A round's reduce-scatter and all-gather. gloo runs ``reduce_scatter_tensor``
     as a full all-reduce and keeps a slice, which sends twice the bytes a
@@ -54,9 +54,16 @@ def ring_algorithm(group: Optional[dist.ProcessGroup]) -> str:
     choice = os.environ.get(RING_ENV, "").strip()
     if choice and choice not in ("0", "1"):
         raise ValueError(f"{RING_ENV} must be 0 (native collectives) or 1 (ring), got {choice!r}")
+    backend = dist.get_backend(group) if group is not None else None
+    if choice == "1" and backend == "nccl":
+        raise ValueError(
+            f"{RING_ENV}=1 asks for the point-to-point ring, but the round group's backend is nccl: NCCL requires "
+            "matching irecv/isend pairs to be posted in one group, and its native reduce-scatter and all-gather "
+            f"are already bandwidth-optimal rings. Unset {RING_ENV} (or set {RING_ENV}=0) on NCCL"
+        )
     if choice:
         return "ring" if choice == "1" else "native"
-    if group is not None and dist.get_backend(group) == "gloo":
+    if backend == "gloo":
         return "ring"
     return "native"
 

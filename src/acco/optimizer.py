@@ -30,7 +30,7 @@ import sys
 import weakref
 from collections import deque
 from functools import partial
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -48,9 +48,13 @@ from .rounds import (
     RoundFailedError,
     RoundKind,
     RoundMismatchError,
+    RoundReport,
     RoundResult,
     ShardBuffers,
+    hyper_mismatch_message,
+    nonfinite_message,
     round_kind,
+    round_mismatch_message,
     run_round,
 )
 from .scheduler import StreamScheduler
@@ -271,8 +275,13 @@ class AccoOptimizer(torch.optim.Optimizer):
                 if key != "params":
                     g.setdefault(key, value)
 
-        self._snapshot = OptimizerSnapshot() if mode == "acco" else None
         self.scheduler = StreamScheduler(device)
+        # Scratch for Opt* (mode acco), and on the CUDA path for undoing a skipped step on the device.
+        self._snapshot = OptimizerSnapshot() if mode == "acco" or self.scheduler.uses_streams else None
+        self._buffers.host_empty = self.scheduler.host_empty
+        self._round_tensors = [t for t in vars(self._buffers).values() if torch.is_tensor(t)]
+        # CUDA path: rounds decided on the device whose reports the host has not read yet (oldest first).
+        self._unread: "deque[Tuple[Any, RoundResult]]" = deque()
         self._since_handoff = 0  # micro-batches folded since the last hand-off
         self._in_accum = 0  # micro-batches in the accumulation buffer
         self._finished = False
@@ -379,12 +388,41 @@ class AccoOptimizer(torch.optim.Optimizer):
                 "same number of updates, e.g. loop while opt.next_update_index < total_updates."
             )
 
+    def _read_reports(self, block: bool) -> None:
+        """CUDA path: read the reports of rounds the device has finished (``block``: of all of them, waiting
+        for the device) and raise what the CPU path raises inside the round. Without ``block`` this never
+        waits: an error surfaces at the first ``step()`` after the device has run the round."""
+        while self._unread:
+            end, result = self._unread[0]
+            if not block and not end.query():
+                return
+            if block:
+                end.synchronize()
+            self._unread.popleft()
+            values = result.report.tolist()
+            kind = result.kind.value
+            exc: Optional[BaseException] = None
+            if values[RoundReport.ROUND_MISMATCH]:
+                exc = RoundMismatchError(round_mismatch_message(values[RoundReport.IDS :]))
+            elif values[RoundReport.HYPER_MISMATCH]:
+                exc = HyperParameterMismatchError(hyper_mismatch_message(kind))
+            elif values[RoundReport.NONFINITE]:
+                if self.nonfinite == "raise":
+                    exc = NonFiniteGradientError(nonfinite_message(kind, values[RoundReport.NORM]))
+                elif result.kind is RoundKind.COMMIT and result.skipped is None:
+                    self.num_skipped_updates += 1  # undone on the device
+            if exc is not None:
+                self._failed = exc
+                self._unread.clear()
+                raise exc
+
     def _check_not_failed(self) -> None:
         if self._failed is not None:
             raise RuntimeError("AccoOptimizer: a previous round failed; this optimizer cannot continue") from self._failed
 
     def _check_open(self) -> None:
         self._check_not_failed()
+        self._read_reports(block=False)
         if self._finished:
             raise RuntimeError(
                 "AccoOptimizer.step() after finish(): finish() ends training with this optimizer; "
@@ -513,7 +551,9 @@ class AccoOptimizer(torch.optim.Optimizer):
         if result.kind is RoundKind.COMMIT:
             self.num_updates += 1
             self._committed_mb += total[0]
-            self.num_skipped_updates += int(result.skipped)
+            self.num_skipped_updates += int(bool(result.skipped))
+        if result.report is not None:
+            self._unread.append((self.scheduler.last_timing.end, result))
         self._last_grad_norm = result.grad_norm
         index = self._history[-1].index + 1 if self._history else 0
         self._history.append(
@@ -552,11 +592,13 @@ class AccoOptimizer(torch.optim.Optimizer):
             grad_scale,
             hyper_fingerprint(self._update_hyper),
             2 * self.num_rounds + int(kind is RoundKind.ESTIMATE),  # the same on every rank, or all raise
+            self.scheduler.uses_streams,  # CUDA path: checks become device flags, no host sync
         )
         self.num_rounds += 1
         if kind is RoundKind.COMMIT:
             self._commits_handed_off += 1
-        self.scheduler.submit(fn)
+        hyper_tensors = [v for g in self._update_hyper for v in g.values() if torch.is_tensor(v)]
+        self.scheduler.submit(fn, uses=self._round_tensors + hyper_tensors)
 
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         """One optimizer update from the micro-batches' gradients since the last ``step()``.
@@ -715,10 +757,13 @@ class AccoOptimizer(torch.optim.Optimizer):
             self._check_same_round_count()
             self._collect()
             self._install_pending(commits_only=True)
+            self._read_reports(block=True)  # CUDA path: errors the device found in the last rounds
         finally:
             self._finished = True
+            ok = self._failed is None
             # After a failure the worker may be stuck in a collective with a dead peer: do not wait for it.
-            self.scheduler.close(wait=False, join_timeout=0.0 if self._failed is not None else 10.0)
+            # Otherwise (CUDA) the host waits for the last round's end before its communicator goes.
+            self.scheduler.close(wait=ok, join_timeout=10.0 if ok else 0.0)
             self._release_round_group()
         with torch.no_grad():
             self._accum.zero_()
@@ -741,6 +786,8 @@ class AccoOptimizer(torch.optim.Optimizer):
             return
         self._finished = True
         stuck = self._failed is not None
+        if not stuck and self.scheduler.uses_streams:
+            self.scheduler.synchronize()  # the last round has finished on the device before its group goes
         self.scheduler.close(wait=False, join_timeout=0.0 if stuck else 60.0)
         if not stuck and not self.scheduler.worker_alive():
             self._release_round_group()

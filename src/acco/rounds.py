@@ -33,6 +33,7 @@ __all__ = [
     "RoundFailedError",
     "RoundKind",
     "RoundMismatchError",
+    "RoundReport",
     "RoundResult",
     "ShardBuffers",
     "clip_coefficient",
@@ -78,6 +79,7 @@ class ShardBuffers:
     rows: Optional[torch.Tensor] = None
     staging: Optional[torch.Tensor] = None
     collectives: str = "native"  # or "ring": the reduce-scatter and all-gather (collectives.ring_algorithm)
+    host_empty: Any = None  # (shape, dtype) -> a host tensor the device writes without blocking (device checks)
 
 
 class OptimizerSnapshot:
@@ -121,6 +123,33 @@ class OptimizerSnapshot:
         out = [] if self._master is None else [self._master]
         return out + [v for st in self._state.values() for v in st.values() if torch.is_tensor(v)]
 
+    @staticmethod
+    def restorable_on_device(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], master: torch.Tensor) -> bool:
+        """Whether :meth:`restore_where` can undo a step without the host: every piece has state, and all of
+        it is tensors on the master's device (not so before the first step, or for a step counter on the CPU)."""
+        for p in params:
+            state = optimizer.state.get(p)
+            if not state:
+                return False
+            for value in state.values():
+                if not torch.is_tensor(value) or value.device != master.device:
+                    return False
+        return True
+
+    def restore_where(
+        self, undo: torch.Tensor, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], master: torch.Tensor
+    ) -> None:
+        """Where the device flag ``undo`` is set, put back what :meth:`save` saw; else keep the step. No host sync.
+
+        Needs :meth:`restorable_on_device` to have held at :meth:`save`.
+        """
+        assert self._master is not None, "restore_where() without save()"
+        master.copy_(torch.where(undo, self._master, master))
+        for i, p in enumerate(params):
+            state, saved = optimizer.state[p], self._state[i]
+            for key, value in saved.items():
+                state[key].copy_(torch.where(undo.to(value.device), value, state[key]))
+
     def restore(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], master: torch.Tensor) -> None:
         assert self._master is not None, "restore() without save()"
         master.copy_(self._master)
@@ -146,7 +175,17 @@ class RoundResult:
     total_microbatches: torch.Tensor  # on the device
     rank_microbatches: torch.Tensor  # on the device, one per rank
     grad_norm: torch.Tensor  # global L2 norm of the averaged gradient, before clipping
-    skipped: bool = False  # non-finite gradient: no update was applied
+    skipped: Optional[bool] = False  # non-finite gradient: no update was applied (None: decided on the device)
+    # Decided on the device (CUDA path): a host copy of RoundReport's fields, valid once the round's end
+    # event has completed; the optimizer reads it then and raises what the CPU path raises in the round.
+    report: Optional[torch.Tensor] = None
+
+
+class RoundReport:
+    """The fields of ``RoundResult.report``: ``[round ids differ, hyper-parameters differ, non-finite, norm,
+    round id of rank 0, ..., round id of rank N-1]`` (float64)."""
+
+    ROUND_MISMATCH, HYPER_MISMATCH, NONFINITE, NORM, IDS = 0, 1, 2, 3, 4
 
 
 class NonFiniteGradientError(FloatingPointError):
@@ -192,6 +231,7 @@ def run_round(
     grad_scale: Optional[float] = None,
     hyper_fingerprint: float = 0.0,
     round_id: int = 0,
+    device_checks: bool = False,
 ) -> RoundResult:
     """Run one round on the current thread/stream. Collective: call on all ranks.
 
@@ -217,6 +257,14 @@ def run_round(
     ``hyper_fingerprint`` (of ``hyperparams``) travels with the micro-batch
     count: if the ranks' differ, every rank raises
     :class:`HyperParameterMismatchError` before any step.
+
+    ``device_checks`` (the CUDA path): no host synchronisation. The checks
+    above become device flags in ``RoundResult.report`` (a host tensor written
+    without blocking, valid once the round's end event has completed; the
+    optimizer raises from it then). A non-finite gradient with ``"skip"`` is
+    undone on the device with ``torch.where`` over a snapshot of the master
+    slice and the state; while the wrapped optimizer has no state yet, or keeps
+    some on the CPU, the host decides instead (one sync per such round).
     """
     b = buffers
     b.row[0], b.row[1], b.row[2] = float(local_microbatches), hyper_fingerprint, float(round_id)
@@ -224,20 +272,8 @@ def run_round(
     pairs = b.rows.view(-1, 3)
     b.rank_counts.copy_(pairs[:, 0])
     torch.sum(b.rank_counts, dim=0, keepdim=True, out=b.count)
-    ids = pairs[:, 2].tolist()  # a host sync, on the round's own thread
-    if len(set(ids)) > 1:
-        described = [f"round {int(i) // 2} {'estimate' if int(i) % 2 else 'commit'}" for i in ids]
-        raise RoundMismatchError(
-            f"the ranks handed off different rounds ({described}, rank i at index i): usually some rank ran a "
-            "different number of micro-batches in an update (an uneven data shard at the end of an epoch). "
-            "Give every rank the same number of micro-batches per update"
-        )
-    if not bool((pairs[:, 1] == pairs[0, 1]).all()):
-        raise HyperParameterMismatchError(
-            f"{kind.value} round: the ranks handed it off with different hyper-parameters (lr, betas, "
-            "weight_decay, ... of the param groups): a scheduler or your code changed them on some ranks only. "
-            "Change them on every rank alike (e.g. step the scheduler on every rank)"
-        )
+    if not device_checks:
+        _check_pairs_on_host(kind, pairs)
     if b.staging is None:
         reduce_scatter_flat(b.grad, b.comm, group, b.collectives)  # this rank's slice of the gradient sum
     else:
@@ -247,30 +283,80 @@ def run_round(
         b.grad.div_(b.count)  # the mean over all micro-batches of all ranks
     else:
         b.grad.mul_(grad_scale)
-    norm = global_grad_norm(b.grad, group)
-    skipped = not bool(torch.isfinite(norm))  # a host sync, on the round's own thread
-    if skipped and nonfinite == "raise":
-        raise NonFiniteGradientError(
-            f"{kind.value} round: the averaged gradient's norm is {norm.item()} (inf/NaN); "
-            "pass nonfinite='skip' to skip such updates instead"
-        )
+    norm = global_grad_norm(b.grad, group)  # one all-reduce of a scalar
+
+    report = None
+    undo: Optional[torch.Tensor] = None  # device flag: put theta and the state back after the step
+    if device_checks:
+        # Everything the CPU path checks on the host, as device flags, copied to the host without
+        # blocking; the optimizer reads them once this round's end event has completed.
+        nonfinite_flag = ~torch.isfinite(norm)
+        flags = torch.stack([(pairs[:, 2] != pairs[0, 2]).any(), (pairs[:, 1] != pairs[0, 1]).any(), nonfinite_flag])
+        values = torch.cat([flags.double(), norm.double().reshape(1), pairs[:, 2].double()])
+        report = b.host_empty(values.shape, values.dtype)  # pinned on CUDA
+        report.copy_(values, non_blocking=True)
+        skipped: Optional[bool] = None
+        if nonfinite == "skip":
+            if snapshot is not None and OptimizerSnapshot.restorable_on_device(optimizer, params, b.master):
+                undo = nonfinite_flag
+            else:  # no state yet (the first step), or a step counter on the CPU: the host decides, once
+                skipped = bool(nonfinite_flag)
+    else:
+        skipped = not bool(torch.isfinite(norm))  # a host sync, on the round's own thread
+        if skipped and nonfinite == "raise":
+            raise NonFiniteGradientError(nonfinite_message(kind.value, norm.item()))
     if max_grad_norm is not None and not skipped:
         b.grad.mul_(clip_coefficient(norm, max_grad_norm).to(b.grad.dtype))
 
     for group_state, hyper in zip(optimizer.param_groups, hyperparams):
         group_state.update(hyper)
 
-    stepping = kind is RoundKind.ESTIMATE and not skipped
-    if stepping:
+    estimate = kind is RoundKind.ESTIMATE and not skipped
+    if estimate or undo is not None:
         assert snapshot is not None
         snapshot.save(optimizer, params, b.master)
     if not skipped:
         optimizer.step()
+    if undo is not None:
+        snapshot.restore_where(undo, optimizer, params, b.master)  # a non-finite gradient: as if no step
     if b.staging is None:
         all_gather_flat(b.comm, b.master, group, b.collectives)  # every rank's new slice -> full weights
     else:
         b.staging.copy_(b.master)
         all_gather_flat(b.comm, b.staging, group, b.collectives)
-    if stepping:
+    if estimate:
         snapshot.restore(optimizer, params, b.master)  # Opt*: leave theta and state untouched
-    return RoundResult(kind, local_microbatches, b.count, b.rank_counts, norm, skipped)
+    return RoundResult(kind, local_microbatches, b.count, b.rank_counts, norm, skipped, report)
+
+
+def _check_pairs_on_host(kind: RoundKind, pairs: torch.Tensor) -> None:
+    """CPU path: raise on every rank alike if the ranks handed off different rounds or hyper-parameters."""
+    ids = pairs[:, 2].tolist()  # a host sync, on the round's own thread
+    if len(set(ids)) > 1:
+        raise RoundMismatchError(round_mismatch_message(ids))
+    if not bool((pairs[:, 1] == pairs[0, 1]).all()):
+        raise HyperParameterMismatchError(hyper_mismatch_message(kind.value))
+
+
+def round_mismatch_message(ids: Sequence[float]) -> str:
+    described = [f"round {int(i) // 2} {'estimate' if int(i) % 2 else 'commit'}" for i in ids]
+    return (
+        f"the ranks handed off different rounds ({described}, rank i at index i): usually some rank ran a "
+        "different number of micro-batches in an update (an uneven data shard at the end of an epoch). "
+        "Give every rank the same number of micro-batches per update"
+    )
+
+
+def hyper_mismatch_message(kind: str) -> str:
+    return (
+        f"{kind} round: the ranks handed it off with different hyper-parameters (lr, betas, "
+        "weight_decay, ... of the param groups): a scheduler or your code changed them on some ranks only. "
+        "Change them on every rank alike (e.g. step the scheduler on every rank)"
+    )
+
+
+def nonfinite_message(kind: str, norm: float) -> str:
+    return (
+        f"{kind} round: the averaged gradient's norm is {norm} (inf/NaN); "
+        "pass nonfinite='skip' to skip such updates instead"
+    )

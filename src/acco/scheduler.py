@@ -1,11 +1,48 @@
-"""StreamScheduler: where a communication round runs.
+"""StreamScheduler: where a communication round runs, and how it is ordered with compute.
 
-* CPU (gloo, or no process group): on one background worker thread. gloo's
-  collectives and PyTorch's kernels release the GIL, so a round really runs
-  while the main thread computes the next backward.
-* CUDA (NCCL): the same worker thread issues the round's kernels and
-  collectives on a second CUDA stream, ordered with the compute stream by CUDA
-  events only; the training loop's thread never blocks on the device here.
+Two paths, chosen by the parameters' device:
+
+* **CPU** (gloo, or no process group): the round runs on one background worker
+  thread. gloo's collectives and PyTorch's CPU kernels release the GIL, so it
+  really runs while the training thread computes the next backward. Host
+  synchronisation is free here (the host *is* the device), so the round checks
+  its results on the host, in the worker, and errors surface at ``wait()``.
+* **CUDA** (NCCL): there is no worker thread. ``submit`` *issues* the whole
+  round from the calling thread (the training loop's, or the autograd engine's
+  while ``backward()`` blocks the training loop) onto a second, high-priority
+  stream, and returns once it is queued; the overlap is the GPU's, between the
+  two streams. The streams are ordered by CUDA events only, and the round
+  issues no host synchronisation (``rounds.py`` decides skips on the device),
+  so ``submit``, ``done`` and ``wait`` never block the host.
+
+Why one thread on CUDA (NCCL's rule). NCCL documents that issuing operations
+on several communicators of one device from several threads concurrently is
+unsafe, and that every rank must issue its operations on different
+communicators in the same order, or the ranks can deadlock (reliably with
+``CUDA_DEVICE_MAX_CONNECTIONS=1``, and under SM pressure). On this path every
+NCCL call, the round's and the user's own (a logged all-reduce,
+``finish()``'s, a checkpoint's), is issued by the one thread that runs the
+training loop, in program order, which is the same on every rank: a round's
+collectives come exactly at the hand-off, i.e. in the ``backward()`` that
+completes half an update or in ``step()``. This is how FSDP2 and Megatron
+overlap: one issuing thread, a side stream, events.
+
+Stream hand-offs on the CUDA path (each is commented where it is made):
+
+1. ``submit``: an event recorded on the *parameters' device's* current
+   (compute) stream after the gradients were copied into the round's buffer
+   and the previous round's weights were installed; the side stream waits for
+   it before the round's first kernel.
+2. ``wait``: the compute stream waits for the round's end event (recorded on
+   the side stream after its last kernel) before anything reads the weights
+   the round all-gathered.
+3. Memory: every tensor the round uses that was allocated on the compute
+   stream is ``record_stream``-ed on the side stream, so the caching allocator
+   never hands its memory to other work while the round may still use it, even
+   if the optimizer is dropped without ``finish()``.
+4. ``close``: the host waits for the last round's end event before returning,
+   so its communicator may be destroyed (``finish()``) without cutting a
+   collective short.
 
 The scheduler also installs a finished round's weights into the model's
 parameters (the theta / theta~ swap): it copies into the fixed parameter
@@ -18,16 +55,20 @@ import concurrent.futures
 import queue
 import threading
 from functools import partial
-from typing import Callable, Optional, Sequence, TypeVar
+from typing import Any, Callable, Iterable, Optional, Sequence, TypeVar
 
 import torch
 
+from . import device_api
 from .stats import CudaTiming, HostTiming
 
 __all__ = ["StreamScheduler"]
 
 T = TypeVar("T")
 
+# The side stream's priority: higher than the compute stream's (as FSDP2's), so a
+# round's kernels are scheduled first when both streams have work ready.
+SIDE_STREAM_PRIORITY = -1
 
 class _Worker:
     """One daemon thread running submitted callables in order.
@@ -70,27 +111,55 @@ class _Worker:
         self._thread.join(timeout)
 
 
+class _Issued:
+    """The outcome of a round issued on the calling thread (CUDA path), shaped like a future."""
+
+    def __init__(self, fn: Callable[[], T]) -> None:
+        self._result: Any = None
+        self._error: Optional[BaseException] = None
+        try:
+            self._result = fn()
+        except BaseException as exc:  # handed to the caller of wait(), as the worker's future would
+            self._error = exc
+
+    def result(self) -> Any:
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+
 class StreamScheduler:
     """Runs one round at a time asynchronously on ``device``'s side channel.
 
-    ``submit(fn)`` starts ``fn`` after all work already issued on the compute
-    side (the hand-off), ``done()`` asks without blocking whether it finished,
-    ``wait()`` orders the compute side after it (CPU: blocks the calling
-    thread; CUDA: makes the current stream wait, no host sync) and returns
-    ``fn``'s result, re-raising its exception. After ``wait()``,
+    ``submit(fn, uses)`` starts ``fn`` after all work already issued on the
+    compute side (the hand-off), ``done()`` asks without blocking whether it
+    finished, ``wait()`` orders the compute side after it (CPU: blocks the
+    calling thread; CUDA: makes the compute stream wait, no host sync) and
+    returns ``fn``'s result, re-raising its exception. After ``wait()``,
     ``last_timing`` holds that round's :class:`~acco.stats.HostTiming` (CPU) or
-    :class:`~acco.stats.CudaTiming` (CUDA events, read lazily).
+    :class:`~acco.stats.CudaTiming` (events, read lazily).
+
+    ``api`` is the stream API (:func:`acco.device_api.stream_api` by default:
+    ``torch.cuda`` on CUDA, none on CPU); a test may pass a simulated one to
+    run the CUDA path over CPU tensors.
     """
 
-    def __init__(self, device: torch.device) -> None:
-        self.device = torch.device(device)
-        self._cuda = self.device.type == "cuda"
-        self._pending: Optional[concurrent.futures.Future] = None
-        self._timing = None
-        self.last_timing = None
-        if self._cuda:
-            self._stream = torch.cuda.Stream(device=self.device)
-        self._worker = _Worker()
+    def __init__(self, device: torch.device, api: Any = None) -> None:
+        device = torch.device(device)
+        self._api = api if api is not None else device_api.stream_api(device)
+        self.uses_streams = self._api is not None
+        if self.uses_streams and device.type == "cuda" and device.index is None:
+            device = torch.device("cuda", self._api.current_device())  # fixed now: "cuda" means this device
+        self.device = device
+        self._pending: Any = None
+        self._timing: Any = None
+        self._last_end: Any = None  # end event of the last round issued (CUDA path)
+        self.last_timing: Any = None
+        self._worker: Optional[_Worker] = None
+        if self.uses_streams:
+            self._stream = self._api.Stream(self.device, priority=SIDE_STREAM_PRIORITY)
+        else:
+            self._worker = _Worker()
         self._closed = False
 
     @property
@@ -98,20 +167,52 @@ class StreamScheduler:
         """True from ``submit`` until ``wait`` has collected the round."""
         return self._pending is not None
 
-    def submit(self, fn: Callable[[], T]) -> None:
+    @property
+    def side_stream(self) -> Any:
+        """The stream rounds run on (CUDA path), else ``None``."""
+        return self._stream if self.uses_streams else None
+
+    def host_empty(self, shape: Any, dtype: torch.dtype) -> torch.Tensor:
+        """A host tensor the device may write without blocking (CUDA: pinned; CPU: plain)."""
+        if self.uses_streams:
+            return self._api.host_empty(shape, dtype)
+        return torch.empty(shape, dtype=dtype)
+
+    @property
+    def last_end_event(self) -> Any:
+        """The end event of the last round issued (CUDA path), else ``None``: complete once its work is."""
+        return self._last_end
+
+    def submit(self, fn: Callable[[], T], uses: Iterable[torch.Tensor] = ()) -> None:
+        """Start ``fn`` after the compute side's work so far. ``uses``: tensors the round reads or writes
+        that were allocated outside it (CUDA path: kept from reuse until the round is over)."""
         if self._closed:
             raise RuntimeError("StreamScheduler.submit() after close()")
         if self._pending is not None:
             raise RuntimeError("StreamScheduler runs one round at a time: wait() for the previous one first")
-        if self._cuda:
-            timing = CudaTiming(submit=torch.cuda.Event(enable_timing=True), end=torch.cuda.Event(enable_timing=True))
-            timing.submit.record()  # compute stream: the gradient hand-off and the parameter copy are issued
-            fn = partial(self._on_side_stream, fn, timing)
-        else:
+        if not self.uses_streams:
             timing = HostTiming(submit=HostTiming.now())
-            fn = partial(self._timed, fn, timing)
+            self._timing = timing
+            self._pending = self._worker.submit(partial(self._timed, fn, timing))
+            return
+        api, side = self._api, self._stream
+        compute = api.current_stream(self.device)  # the parameters' device's, not the current device's
+        timing = CudaTiming(submit=api.Event(), start=api.Event(), end=api.Event())
+        # Hand-off 1. Compute stream: the gradients are in the round's buffer and the previous round's
+        # weights are installed (both queued before this point); the side stream starts after them.
+        timing.submit.record(compute)
+        side.wait_event(timing.submit)
+        for tensor in uses:
+            # Hand-off 3. Allocator: memory the side stream uses is not reused before the side stream
+            # has finished the work queued when it is freed (even if the optimizer is dropped mid-round).
+            api.record_stream(tensor, side)
+        with api.stream(side):  # the round's kernels and collectives go to the side stream (and its device)
+            timing.start.record(side)  # side stream: the round begins (for round_s only)
+            issued = _Issued(fn)  # issues the round from this thread and returns: no host sync inside
+            timing.end.record(side)  # side stream: the round's weights are in its output buffer
+        self._last_end = timing.end
         self._timing = timing
-        self._pending = self._worker.submit(fn)
+        self._pending = issued
 
     @staticmethod
     def _timed(fn: Callable[[], T], timing: HostTiming) -> T:
@@ -122,47 +223,44 @@ class StreamScheduler:
         finally:
             timing.end = HostTiming.now()
 
-    def _on_side_stream(self, fn: Callable[[], T], timing: CudaTiming) -> T:
-        """Worker thread, CUDA: issue the round on the side stream between two events."""
-        torch.cuda.set_device(self.device)
-        self._stream.wait_event(timing.submit)  # side stream: start only after the hand-off on the compute stream
-        timing.start = torch.cuda.Event(enable_timing=True)
-        timing.start.record(self._stream)  # side stream: the round begins (for round_s only)
-        with torch.cuda.stream(self._stream):
-            result = fn()
-        timing.end.record(self._stream)  # side stream: the round's weights are in the comm buffer
-        return result
-
     def done(self) -> bool:
         """Whether the in-flight round has finished (True when none is). Never blocks."""
         if self._pending is None:
             return True
-        if not self._pending.done():  # the worker is still issuing (CUDA) or running (CPU) the round
-            return False
-        return not self._cuda or self._timing.end.query()
+        if self.uses_streams:
+            return self._timing.end.query()  # the side stream has run the round
+        return self._pending.done()  # the worker has run the round
 
     def wait(self):
         """Order the compute side after the in-flight round; return its result."""
         if self._pending is None:
             return None
-        fut, self._pending = self._pending, None
+        pending, self._pending = self._pending, None
         timing, self._timing = self._timing, None
-        if self._cuda:
-            result = fut.result()  # blocks until the worker has issued the round (not run it); re-raises
-            stream = torch.cuda.current_stream(self.device)
-            timing.wait_begin = torch.cuda.Event(enable_timing=True)
-            timing.wait_begin.record(stream)  # compute stream: what it had to do before needing the round
-            stream.wait_event(timing.end)  # compute waits for the round's weights
-            timing.wait_end = torch.cuda.Event(enable_timing=True)
-            timing.wait_end.record(stream)  # compute stream: resumes after the round (for wait_s only)
-        else:
-            timing.wait_begin = HostTiming.now()
-            try:
-                result = fut.result()  # blocks until the worker has run the round; re-raises
-            finally:
-                timing.wait_end = HostTiming.now()
+        if self.uses_streams:
+            compute = self._api.current_stream(self.device)
+            timing.wait_begin = self._api.Event()
+            timing.wait_begin.record(compute)  # compute stream: what it had to do before needing the round
+            # Hand-off 2. Compute stream waits for the round's end: the weights it all-gathered are
+            # read (installed into the parameters) only after this point. The host does not wait.
+            compute.wait_event(timing.end)
+            timing.wait_end = self._api.Event()
+            timing.wait_end.record(compute)  # compute stream: resumes after the round (for wait_s only)
+            self.last_timing = timing
+            return pending.result()  # an error raised while issuing the round
+        timing.wait_begin = HostTiming.now()
+        try:
+            result = pending.result()  # blocks until the worker has run the round; re-raises
+        finally:
+            timing.wait_end = HostTiming.now()
         self.last_timing = timing
         return result
+
+    def synchronize(self) -> None:
+        """Block the host until the last round issued has finished on the device (CPU: already true
+        after ``wait``). For the rare places that must: ``finish()``, checkpoints, errors."""
+        if self.uses_streams and self._last_end is not None:
+            self._last_end.synchronize()
 
     def install(self, params: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> None:
         """Copy a finished round's weights into the parameters, in place (the theta/theta~ swap).
@@ -174,17 +272,21 @@ class StreamScheduler:
             torch._foreach_copy_(list(params), list(sources))
 
     def worker_alive(self) -> bool:
-        """Whether the worker thread still runs (e.g. stuck in a collective with a dead peer)."""
-        return self._worker.alive()
+        """Whether the worker thread (CPU path) still runs, e.g. stuck in a collective with a dead peer."""
+        return self._worker is not None and self._worker.alive()
 
     def close(self, wait: bool = True, join_timeout: float = 10.0) -> None:
-        """Stop accepting rounds; with ``wait``, collect the in-flight one first; join the worker
-        for at most ``join_timeout`` seconds."""
+        """Stop accepting rounds; with ``wait``, collect the in-flight one first and (CUDA) let the host
+        wait until it has finished on the device; join the worker for at most ``join_timeout`` seconds."""
         if self._closed:
             return
         try:
             if wait:
                 self.wait()
+                # Hand-off 4. Host waits for the last round's end event: only then may the round's
+                # communicator be destroyed without cutting its last all-gather short.
+                self.synchronize()
         finally:
             self._closed = True
-            self._worker.shutdown(timeout=join_timeout)
+            if self._worker is not None:
+                self._worker.shutdown(timeout=join_timeout)
