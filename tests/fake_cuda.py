@@ -413,7 +413,7 @@ class FakeCuda(TorchDispatchMode):
             aliasing = any(r.alias_info is not None for r in schema.returns)
             if not writes and (aliasing or not inputs):  # views, and factories: no device work to order
                 out = func(*args, **kwargs)
-                if not inputs:
+                if not inputs or func is torch.ops.aten.lift_fresh.default:  # new memory (lift_fresh: torch.tensor)
                     self._account(stream, [], [], _tensors(out))
                 return out
         self._check(stream.name, self._issue_clock(stream), reads, writes, func)

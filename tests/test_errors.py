@@ -65,6 +65,8 @@ CASES = [
     ("assume_elementwise not a bool", lambda: (make_model().parameters(), _MyElementwise), {"assume_elementwise": 1}, TypeError, "True or False"),
     ("process_group without init", lambda: (make_model().parameters(),), {"process_group": object()}, RuntimeError, "not initialised"),
     ("int compute dtype", lambda: (make_model().parameters(),), {"compute_dtype": torch.int8}, TypeError, "compute_dtype"),
+    ("fp16 accumulation dtype", lambda: (make_model().parameters(),), {"accumulation_dtype": torch.float16}, TypeError, "accumulation_dtype must be"),
+    ("accumulation narrower than compute", lambda: (make_model().float().parameters(),), {"accumulation_dtype": torch.bfloat16}, TypeError, "narrower than the compute dtype"),
 ]
 
 

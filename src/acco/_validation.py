@@ -188,6 +188,24 @@ def check_params(params: Iterable[torch.Tensor]) -> None:
         )
 
 
+def check_accumulation_dtype(accumulation_dtype: Optional[torch.dtype], compute_dtype: torch.dtype) -> torch.dtype:
+    """The dtype gradients are summed in: given, or fp32 for a bfloat16 compute dtype, else the compute dtype."""
+    if accumulation_dtype is None:
+        return torch.float32 if compute_dtype == torch.bfloat16 else compute_dtype
+    if not (isinstance(accumulation_dtype, torch.dtype) and accumulation_dtype.is_floating_point) or (
+        accumulation_dtype == torch.float16
+    ):
+        raise TypeError(
+            f"accumulation_dtype must be torch.float32, torch.bfloat16 or torch.float64, got {accumulation_dtype}"
+        )
+    if accumulation_dtype.itemsize < compute_dtype.itemsize:
+        raise TypeError(
+            f"accumulation_dtype={accumulation_dtype} is narrower than the compute dtype {compute_dtype}: gradients "
+            "would be summed with less precision than they are computed in. Pass None (the default) or a wider dtype"
+        )
+    return accumulation_dtype
+
+
 def check_dtypes(param_dtype: torch.dtype, compute_dtype: Optional[torch.dtype]) -> None:
     if compute_dtype is not None and not (isinstance(compute_dtype, torch.dtype) and compute_dtype.is_floating_point):
         raise TypeError(f"compute_dtype must be a floating dtype such as torch.bfloat16, got {compute_dtype}")

@@ -375,6 +375,19 @@ def state_dict(opt: "AccoOptimizer", sharded: bool = False) -> Dict[str, Any]:
     return out
 
 
+def scalar_state(key: str, value: float, piece: torch.Tensor, group: Dict[str, Any]) -> torch.Tensor:
+    """A per-parameter scalar of the wrapped optimizer's state, where torch's own ``load_state_dict`` puts it.
+
+    ``step``: a float32 tensor on the CPU, except with ``fused=True`` or
+    ``capturable=True``, whose kernels read it on the parameter's device. Any
+    other scalar (ASGD's ``eta``, ``mu``): on the parameter's device, in its dtype.
+    """
+    if key == "step":
+        on_device = group.get("fused") or group.get("capturable")
+        return torch.tensor(value, dtype=torch.float32, device=piece.device if on_device else "cpu")
+    return torch.tensor(value, dtype=piece.dtype, device=piece.device)
+
+
 def _template(opt: "AccoOptimizer", flat_keys, scalar_keys, hyper_keys, meta_keys) -> Dict[str, Any]:
     """Empty tensors of the right shapes and placement for ``dcp.load`` to fill."""
     real = opt.layout.real_numel(opt.rank)
@@ -431,7 +444,8 @@ def load_state_dict(opt: "AccoOptimizer", sd: Dict[str, Any], checked: bool = Fa
     real = opt.layout.real_numel(opt.rank)
     pieces = opt.layout.pieces(opt.rank)
     master = opt._buffers.master
-    scalar_dtype = torch.float32
+    groups = opt.local_optimizer.param_groups
+    group_of = {id(t): g for g in groups for t in g["params"]}
     with torch.no_grad():
         master.zero_()
         master[:real].copy_(_local(sd["master"]))
@@ -441,7 +455,7 @@ def load_state_dict(opt: "AccoOptimizer", sd: Dict[str, Any], checked: bool = Fa
             for key, flat in sd["state"].items():
                 st[key] = _local(flat)[pc.local_start : pc.local_end].to(master.dtype).clone()
             for key, values in sd["scalars"].items():
-                st[key] = torch.tensor(float(values[i]), dtype=scalar_dtype)
+                st[key] = scalar_state(key, float(values[i]), p, group_of[id(p)])
         # The model's weights: each rank has a slice; gather them whole, then the master.
         full = _gather_full(opt, _local(sd["params"]).to(opt.compute_dtype))
         opt.scheduler.install(opt._params, opt.layout.views(full))
@@ -450,8 +464,8 @@ def load_state_dict(opt: "AccoOptimizer", sd: Dict[str, Any], checked: bool = Fa
         opt._commits_handed_off, opt._holds_estimate = counters[5], bool(counters[6])
         opt.microbatches_per_update = counters[7] or opt.microbatches_per_update
         if counters[4]:  # a commit was collected at save time: its weights go in at the next hand-off
-            opt._comm.zero_()
-            opt._comm[: opt.layout.numel].copy_(_gather_full(opt, master[:real].to(opt.compute_dtype)))
+            opt._comm_weights.zero_()
+            opt._comm_weights[: opt.layout.numel].copy_(_gather_full(opt, master[:real].to(opt.compute_dtype)))
             opt._pending = RoundKind.COMMIT
         opt._accum.zero_()
         opt._binding.zero_()

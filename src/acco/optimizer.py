@@ -131,6 +131,12 @@ class AccoOptimizer(torch.optim.Optimizer):
             (``None``: no bound).
         compute_dtype: dtype of the model's parameters (the compute copy), e.g.
             ``torch.bfloat16``; the sharded master stays fp32. ``None``: keep.
+        accumulation_dtype: dtype the micro-batches' gradients are summed in
+            (``None``: fp32 when the compute dtype is bfloat16, as Megatron
+            does, else the compute dtype). When it differs from the compute
+            dtype, ``.grad`` is a compute-dtype buffer of its own holding the
+            last backward's gradient, folded into the sum as each parameter's
+            gradient arrives (one more compute-dtype copy of the model).
         max_grad_norm: clip the global L2 norm of the averaged gradient to
             this, as ``clip_grad_norm_`` on DDP's all-reduced gradient would.
             (Clipping ``.grad`` yourself raises: it is the local gradient here.)
@@ -152,6 +158,7 @@ class AccoOptimizer(torch.optim.Optimizer):
     """
 
     HISTORY_LIMIT = 100_000  # rounds kept for round_stats()
+    EVENTS_KEPT = 64  # CUDA: rounds whose timing events and count copies are held before they are settled
 
     def __init__(
         self,
@@ -165,6 +172,7 @@ class AccoOptimizer(torch.optim.Optimizer):
         min_microbatches: int = 1,
         max_microbatches: Optional[int] = None,
         compute_dtype: Optional[torch.dtype] = None,
+        accumulation_dtype: Optional[torch.dtype] = None,
         max_grad_norm: Optional[float] = None,
         nonfinite: str = "skip",
         timeout: Optional[datetime.timedelta] = None,
@@ -196,6 +204,7 @@ class AccoOptimizer(torch.optim.Optimizer):
         device = self._params[0].device
         param_dtype = self._params[0].dtype
         self.compute_dtype = compute_dtype or param_dtype
+        self.accumulation_dtype = V.check_accumulation_dtype(accumulation_dtype, self.compute_dtype)
         master_dtype = torch.float64 if param_dtype == torch.float64 else torch.float32
         self._model_buffers = V.check_buffers(buffers, device)
 
@@ -229,15 +238,24 @@ class AccoOptimizer(torch.optim.Optimizer):
 
         cd = self.compute_dtype
         n = self.layout.padded_numel
-        self._accum = torch.zeros(n, dtype=cd, device=device)  # gradient sum since the last commit
-        self._comm = torch.zeros(n, dtype=cd, device=device)  # round in/out: gradients out, weights in
-        self._comm_views = self.layout.views(self._comm)
-        # Where backward writes. One step() per update: straight into the accumulation buffer.
+        self._accum = torch.zeros(n, dtype=self.accumulation_dtype, device=device)  # gradient sum since the last commit
+        ad = self.accumulation_dtype
+        # Round in/out: gradients out (summed over ranks in accumulation_dtype), weights in (compute dtype,
+        # in the same memory: the reduce-scatter has read the gradients before the all-gather writes).
+        self._comm = torch.zeros(n, dtype=ad, device=device)
+        self._comm_weights = self._comm if ad == cd else self._comm.view(torch.uint8)[: n * cd.itemsize].view(cd)
+        self._comm_views = self.layout.views(self._comm_weights)
+        # Where backward writes. One step() per update: straight into the accumulation buffer, unless
+        # that is of another dtype (then a buffer of its own, folded into accum as each gradient arrives).
         # Accumulating while communicating: a buffer of its own, folded into accum at each step().
-        self._grads = torch.zeros(n, dtype=cd, device=device) if self.accumulate_while_communicating else self._accum
+        self._fold_on_arrival = not self.accumulate_while_communicating and self.accumulation_dtype != cd
+        separate = self.accumulate_while_communicating or self._fold_on_arrival
+        self._grads = torch.zeros(n, dtype=cd, device=device) if separate else self._accum
+        self._accum_views = self.layout.views(self._accum)
         self._binding = GradBinding(self._params, self.layout.views(self._grads), self._grads)
         self._buffers = ShardBuffers(
             comm=self._comm,
+            weights=self._comm_weights,
             master=master,
             grad=torch.zeros_like(master),
             count=torch.zeros(1, dtype=master_dtype, device=device),
@@ -247,6 +265,9 @@ class AccoOptimizer(torch.optim.Optimizer):
             staging=None if cd == master_dtype else torch.zeros(self.layout.shard_size, dtype=cd, device=device),
             collectives=ring_algorithm(self._round_group),
         )
+        if ad != master_dtype:  # gradients reduced in a narrower dtype than the master's: their own landing slice
+            b = self._buffers
+            b.grad_staging = b.staging if ad == cd else torch.zeros(self.layout.shard_size, dtype=ad, device=device)
 
         # The wrapped optimizer: one piece (view of the master slice) per parameter.
         self._pieces: List[torch.Tensor] = []
@@ -311,6 +332,8 @@ class AccoOptimizer(torch.optim.Optimizer):
         self._hook_handles = [
             p.register_post_accumulate_grad_hook(partial(_after_accumulate, self_ref, i)) for i, p in enumerate(self._params)
         ]
+        if self._fold_on_arrival:  # .grad holds one backward's gradient: zero it before autograd adds to it
+            self._hook_handles += [p.register_hook(partial(_before_accumulate, self_ref, i)) for i, p in enumerate(self._params)]
         _LIVE.add(self)  # closed at interpreter exit if finish() never came
 
     # ------------------------------------------------------------------ checks
@@ -328,6 +351,7 @@ class AccoOptimizer(torch.optim.Optimizer):
              (self.microbatches_per_update, self.accumulate_while_communicating, self.min_microbatches,
               self.max_microbatches)),
             ("compute_dtype", str(self.compute_dtype)),
+            ("accumulation_dtype", str(self.accumulation_dtype)),
             ("max_grad_norm", self.max_grad_norm),
             ("nonfinite", self.nonfinite),
             ("the hyper-parameters of the param groups (lr, betas, weight_decay, ...)", hyper_fingerprint(hyper)),
@@ -466,6 +490,9 @@ class AccoOptimizer(torch.optim.Optimizer):
         self._at_boundary = False
         if self.accumulate_while_communicating:
             return
+        if self._fold_on_arrival:
+            with torch.no_grad():
+                self._accum_views[index].add_(self._binding.views[index])  # summed in accumulation_dtype
         task = torch._C._current_graph_task_id()
         if task != self._backward_queued:
             _refuse_reentrant_backward()
@@ -519,6 +546,9 @@ class AccoOptimizer(torch.optim.Optimizer):
             )
         self._binding.zero_()
         if not self.accumulate_while_communicating:
+            if self._fold_on_arrival:
+                with torch.no_grad():
+                    self._accum.zero_()  # the update's sum lives there
             self._mb_in_update = 0
             self._at_boundary = True
 
@@ -546,19 +576,31 @@ class AccoOptimizer(torch.optim.Optimizer):
                 "(killed, out of memory, an exception in its own code, or it left its loop early): its own log "
                 "says which. This optimizer cannot continue; restart from the last checkpoint."
             ) from exc
-        total = result.total_microbatches.clone()  # compute side, ordered after the round: no host sync
-        per_rank = result.rank_microbatches.clone()
+        ready = None
+        if self.scheduler.uses_streams:  # the history keeps pinned host copies, not device memory
+            counts = self.scheduler.host_empty((1 + self.world_size,), result.total_microbatches.dtype)
+            # compute stream, after the round (wait() ordered it): no host sync; read once `ready` completes
+            counts.copy_(torch.cat([result.total_microbatches, result.rank_microbatches]), non_blocking=True)
+            ready = self.scheduler.mark()
+            total, per_rank = counts[:1], counts[1:]
+        else:
+            total = result.total_microbatches.clone()  # the round's buffers are reused by the next round
+            per_rank = result.rank_microbatches.clone()
         if result.kind is RoundKind.COMMIT:
             self.num_updates += 1
-            self._committed_mb += total[0]
+            self._committed_mb += result.total_microbatches[0]  # compute side, ordered after the round
             self.num_skipped_updates += int(bool(result.skipped))
         if result.report is not None:
             self._unread.append((self.scheduler.last_timing.end, result))
         self._last_grad_norm = result.grad_norm
         index = self._history[-1].index + 1 if self._history else 0
         self._history.append(
-            RoundRecord(index, result.kind.value, result.local_microbatches, total, per_rank, self.scheduler.last_timing)
+            RoundRecord(index, result.kind.value, result.local_microbatches, total, per_rank, self.scheduler.last_timing,
+                        ready)
         )
+        if len(self._history) > self.EVENTS_KEPT:
+            # CUDA: older rounds give their events back once complete, so the history holds plain numbers.
+            self._history[-self.EVENTS_KEPT - 1].settle()
         self._pending = result.kind
         return result
 
@@ -941,6 +983,16 @@ def _after_accumulate(opt_ref: "weakref.ref[AccoOptimizer]", index: int, _param:
 
 
 _LIVE: "weakref.WeakSet[AccoOptimizer]" = weakref.WeakSet()
+
+
+def _before_accumulate(opt_ref: "weakref.ref[AccoOptimizer]", index: int, grad: torch.Tensor) -> None:
+    """Tensor hook (before autograd adds ``grad`` into ``p.grad``) with ``accumulation_dtype`` != compute dtype:
+    the previous backward's gradient is already in the sum, so ``p.grad`` starts from zero."""
+    opt = opt_ref()
+    if opt is not None and not opt._finished:
+        with torch.no_grad():
+            opt._binding.views[index].zero_()
+    return None
 
 
 @atexit.register

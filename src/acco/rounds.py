@@ -59,11 +59,16 @@ def round_kind(mode: str, round_index: int) -> RoundKind:
 class ShardBuffers:
     """This rank's buffers for a round.
 
-    ``comm``: full padded flat buffer (compute dtype): gradients out, weights in.
+    ``comm``: full padded flat buffer: gradients out (accumulation dtype).
+    ``weights``: ``comm``'s memory as the compute dtype (``comm`` itself when the
+    dtypes agree): the all-gathered weights come back there, after the
+    reduce-scatter has read the gradients.
     ``master``/``grad``: this rank's fp32 slice; the wrapped optimizer's
     parameters and their ``.grad`` are views into them.
     ``staging``: a compute-dtype slice, used only when compute and master
-    dtypes differ (receives the reduce-scatter, sends the all-gather).
+    dtypes differ (sends the all-gather).
+    ``grad_staging``: receives the reduce-scatter when the accumulation and
+    master dtypes differ (``staging`` itself when it has that dtype).
     ``count``: one element on the device, the micro-batch count over all ranks.
     ``rank_counts``: one element per rank, each rank's micro-batch count.
     ``row``/``rows``: this rank's ``[micro-batch count, hyper-parameter fingerprint,
@@ -71,6 +76,7 @@ class ShardBuffers:
     """
 
     comm: torch.Tensor
+    weights: torch.Tensor
     master: torch.Tensor
     grad: torch.Tensor
     count: torch.Tensor
@@ -78,6 +84,7 @@ class ShardBuffers:
     row: Optional[torch.Tensor] = None
     rows: Optional[torch.Tensor] = None
     staging: Optional[torch.Tensor] = None
+    grad_staging: Optional[torch.Tensor] = None
     collectives: str = "native"  # or "ring": the reduce-scatter and all-gather (collectives.ring_algorithm)
     host_empty: Any = None  # (shape, dtype) -> a host tensor the device writes without blocking (device checks)
 
@@ -236,7 +243,8 @@ def run_round(
     """Run one round on the current thread/stream. Collective: call on all ranks.
 
     ``buffers.comm`` holds this rank's gradient *sum* over ``local_microbatches``
-    micro-batches; on return it holds the round's full weights (all ranks agree).
+    micro-batches; on return ``buffers.weights`` (the same memory) holds the
+    round's full weights (all ranks agree).
     ``hyperparams`` (one dict per group, taken at hand-off) are written into the
     wrapped optimizer's groups before its step, so schedulers act on the round
     that was handed off after they moved.
@@ -274,11 +282,11 @@ def run_round(
     torch.sum(b.rank_counts, dim=0, keepdim=True, out=b.count)
     if not device_checks:
         _check_pairs_on_host(kind, pairs)
-    if b.staging is None:
+    if b.grad_staging is None:
         reduce_scatter_flat(b.grad, b.comm, group, b.collectives)  # this rank's slice of the gradient sum
     else:
-        reduce_scatter_flat(b.staging, b.comm, group, b.collectives)
-        b.grad.copy_(b.staging)
+        reduce_scatter_flat(b.grad_staging, b.comm, group, b.collectives)
+        b.grad.copy_(b.grad_staging)
     if grad_scale is None:
         b.grad.div_(b.count)  # the mean over all micro-batches of all ranks
     else:
@@ -320,10 +328,10 @@ def run_round(
     if undo is not None:
         snapshot.restore_where(undo, optimizer, params, b.master)  # a non-finite gradient: as if no step
     if b.staging is None:
-        all_gather_flat(b.comm, b.master, group, b.collectives)  # every rank's new slice -> full weights
+        all_gather_flat(b.weights, b.master, group, b.collectives)  # every rank's new slice -> full weights
     else:
         b.staging.copy_(b.master)
-        all_gather_flat(b.comm, b.staging, group, b.collectives)
+        all_gather_flat(b.weights, b.staging, group, b.collectives)
     if estimate:
         snapshot.restore(optimizer, params, b.master)  # Opt*: leave theta and state untouched
     return RoundResult(kind, local_microbatches, b.count, b.rank_counts, norm, skipped, report)

@@ -256,6 +256,15 @@ class StreamScheduler:
         self.last_timing = timing
         return result
 
+    def mark(self) -> Any:
+        """CUDA path: an event recorded now on the compute stream (complete once the work issued so far on
+        it is), for reading what that work wrote into host memory; ``None`` on CPU."""
+        if not self.uses_streams:
+            return None
+        event = self._api.Event()
+        event.record(self._api.current_stream(self.device))  # compute stream: after the work issued so far
+        return event
+
     def synchronize(self) -> None:
         """Block the host until the last round issued has finished on the device (CPU: already true
         after ``wait``). For the rare places that must: ``finish()``, checkpoints, errors."""

@@ -22,7 +22,7 @@ from typing import Any, Dict, Iterable, List, Optional, Tuple
 
 import torch
 
-__all__ = ["CudaTiming", "HostTiming", "RoundRecord", "nbytes", "summarize", "summary_lines"]
+__all__ = ["CudaTiming", "HostTiming", "RoundRecord", "SettledTiming", "nbytes", "summarize", "summary_lines"]
 
 
 def nbytes(tensors: Iterable[Any]) -> int:
@@ -73,26 +73,56 @@ class CudaTiming:
 
 
 @dataclass
+class SettledTiming:
+    """A round's three durations once its events have completed (the events themselves are released)."""
+
+    secs: Tuple[float, float, float]
+
+    def seconds(self) -> Tuple[float, float, float]:
+        return self.secs
+
+
+@dataclass
 class RoundRecord:
-    """One collected round; tensors stay on the device until read."""
+    """One collected round. Its counts are tensors (CUDA: a pinned host copy, written once ``ready``
+    completes) until :meth:`settle` turns them and the timing events into plain numbers."""
 
     index: int
     kind: str
     local_microbatches: int
-    total: torch.Tensor
-    per_rank: torch.Tensor
+    total: Any  # tensor [1], or int once settled
+    per_rank: Any  # tensor [N], or list of int once settled
     timing: Any = field(default=None, repr=False)
+    ready: Any = field(default=None, repr=False)  # CUDA: event after the host copy of the counts
+
+    def settle(self) -> bool:
+        """Replace events and tensors by plain numbers if everything is complete. Never blocks."""
+        if isinstance(self.timing, CudaTiming):
+            if self.ready is not None and not self.ready.query():
+                return False
+            secs = self.timing.seconds()
+            if secs is None:
+                return False
+            self.timing, self.ready = SettledTiming(secs), None
+        if torch.is_tensor(self.total):
+            self.total = int(self.total.item())
+            self.per_rank = [int(x) for x in self.per_rank.tolist()]
+        return True
 
     def as_dict(self) -> Dict[str, Any]:
-        """Plain numbers (reads the device: call outside the hot loop)."""
+        """Plain numbers (CUDA: waits for the round if it has not finished: call outside the hot loop)."""
+        if self.ready is not None:
+            self.ready.synchronize()
         secs = self.timing.seconds() if self.timing is not None else None
         compute_s, round_s, wait_s = secs if secs is not None else (None, None, None)
+        total = int(self.total.item()) if torch.is_tensor(self.total) else self.total
+        per_rank = [int(x) for x in self.per_rank.tolist()] if torch.is_tensor(self.per_rank) else self.per_rank
         return {
             "round": self.index,
             "kind": self.kind,
             "local_microbatches": self.local_microbatches,
-            "total_microbatches": int(self.total.item()),
-            "rank_microbatches": [int(x) for x in self.per_rank.tolist()],
+            "total_microbatches": total,
+            "rank_microbatches": per_rank,
             "compute_s": compute_s,
             "round_s": round_s,
             "wait_s": wait_s,

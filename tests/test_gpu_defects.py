@@ -1,0 +1,148 @@
+"""The GPU review's defects that can be shown without streams: checkpoint device policy, NCCL ring refusal,
+bf16 accumulation, the bounded event history. (Stream ordering: ``test_stream_protocol.py``.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import acco.collectives as collectives
+from acco import AccoOptimizer
+from acco.checkpoint import scalar_state
+from acco.stats import CudaTiming, RoundRecord, SettledTiming
+from tinynet import flat, loss_fn, make_model
+
+
+@pytest.mark.parametrize("flags", [{}, {"fused": True}, {"capturable": True}])
+@pytest.mark.parametrize("key", ["step", "eta"])
+def test_scalar_state_follows_torch_load_policy(flags, key):
+    """Where a loaded per-parameter scalar lives, against torch's own Optimizer.load_state_dict policy.
+    The piece is on the meta device, standing for a GPU: only the device and dtype matter."""
+    piece = torch.empty(4, device="meta")
+    group = {"params": [0], **flags}
+    ours = scalar_state(key, 3.0, piece, group)
+    theirs = torch.optim.Optimizer._process_value_according_to_param_policy(
+        piece, torch.tensor(3.0), 0, [group], key)
+    assert (ours.device, ours.dtype) == (theirs.device, theirs.dtype)
+
+
+def test_fused_adamw_resumes_exactly():
+    """AdamW(fused=True) (runs on CPU in torch 2.13): save -> load into a new optimizer -> continue, bit-identical."""
+    def run(model, opt, start, stop):
+        for i in range(start, stop):
+            loss_fn(model, 0, 2 * i).backward()
+            loss_fn(model, 0, 2 * i + 1).backward()
+            opt.step()
+            opt.zero_grad()
+
+    kw = dict(mode="acco", microbatches_per_update=2, lr=1e-2, weight_decay=0.1, fused=True)
+    model = make_model()
+    opt = AccoOptimizer(model.parameters(), torch.optim.AdamW, **kw)
+    run(model, opt, 0, 3)
+    saved = opt.state_dict()
+    run(model, opt, 3, 6)
+    opt.finish()
+    reference = flat(model)
+
+    model2 = make_model(seed=7)
+    opt2 = AccoOptimizer(model2.parameters(), torch.optim.AdamW, **kw)
+    opt2.load_state_dict(saved)
+    step = next(iter(opt2.local_optimizer.state.values()))["step"]
+    assert step.dtype == torch.float32 and step.device == opt2._buffers.master.device
+    run(model2, opt2, 3, 6)
+    opt2.finish()
+    assert torch.equal(flat(model2), reference)
+
+
+def test_ring_is_refused_on_nccl(monkeypatch):
+    monkeypatch.setenv("ACCO_RING", "1")
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    with pytest.raises(ValueError, match="ACCO_RING=1.*nccl.*Unset ACCO_RING"):
+        collectives.ring_algorithm(object())
+    monkeypatch.setenv("ACCO_RING", "0")
+    assert collectives.ring_algorithm(object()) == "native"
+    monkeypatch.delenv("ACCO_RING")
+    assert collectives.ring_algorithm(object()) == "native"
+
+
+def _bf16_update(accumulation_dtype, micro_batches=32):
+    """One update of mode sync, SGD(lr=1) over ``micro_batches`` bf16 backward passes: the fp32 master moves
+    by exactly the averaged gradient, which is compared with the fp64 sum of the same bf16 gradients."""
+    torch.manual_seed(0)
+    model = torch.nn.Linear(64, 64).bfloat16()
+    data = [(torch.randn(8, 64).bfloat16(), torch.randn(8, 64).bfloat16()) for _ in range(micro_batches)]
+
+    def loss(m, x, y):
+        return ((m(x).float() - y.float()) ** 2).mean()
+
+    reference = [torch.zeros(p.shape, dtype=torch.float64) for p in model.parameters()]
+    for x, y in data:  # the same bf16 gradients, summed in fp64
+        model.zero_grad()
+        loss(model, x, y).backward()
+        for r, p in zip(reference, model.parameters()):
+            r += p.grad.double()
+    model.zero_grad(set_to_none=True)
+    opt = AccoOptimizer(model.parameters(), torch.optim.SGD, mode="sync", lr=1.0,
+                        accumulation_dtype=accumulation_dtype, microbatches_per_update=micro_batches)
+    before = opt.state_dict()["master"].double().clone()
+    for x, y in data:
+        loss(model, x, y).backward()
+    opt.step()
+    after = opt.state_dict()["master"].double()
+    opt.finish()
+    got = before - after  # the summed gradient (DDP's .grad average over one rank: the sum)
+    want = torch.cat([r.flatten() for r in reference])
+    return ((got[: want.numel()] - want).norm() / want.norm()).item()
+
+
+def test_bf16_gradients_are_accumulated_in_fp32():
+    """32 micro-batches of bf16 gradients: fp32 accumulation (the default) vs bf16, against fp64."""
+    fp32 = _bf16_update(None)
+    bf16 = _bf16_update(torch.bfloat16)
+    print(f"relative error of the summed gradient: fp32 accumulation {fp32:.2e}, bf16 accumulation {bf16:.2e}")
+    assert fp32 < 1e-5  # summed over micro-batches and ranks in fp32: only fp32 rounding is left
+    assert bf16 > 100 * fp32
+
+
+def test_fp32_accumulation_keeps_the_grad_contract():
+    """With bf16 compute and fp32 accumulation, .grad is a bf16 buffer holding the last backward's gradient;
+    changing it in place before step() still raises, and zero_grad() discards the update."""
+    model = make_model().bfloat16()
+    opt = AccoOptimizer(model.parameters(), mode="sync", lr=1e-2, microbatches_per_update=2)
+    x = torch.randn(4, 5).bfloat16()
+    model(x).sum().backward()
+    first = [p.grad.clone() for p in model.parameters()]
+    model(x).sum().backward()
+    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), first)), ".grad: this backward's only"
+    assert all(p.grad.dtype == torch.bfloat16 for p in model.parameters())
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    with pytest.raises(RuntimeError, match="modified in place"):
+        opt.step()
+    opt.zero_grad()
+    assert opt._accum.abs().sum() == 0
+    opt._failed = None
+    opt.finish()
+
+
+class _Event:
+    def __init__(self, done):
+        self.done = done
+
+    def query(self):
+        return self.done
+
+    def elapsed_time(self, other):
+        return 2.0
+
+
+def test_round_record_settles_without_blocking():
+    """A CUDA round's record gives its events and host copies back only once they are complete."""
+    timing = CudaTiming(*[_Event(True) for _ in range(5)])
+    rec = RoundRecord(0, "commit", 2, torch.tensor([4.0]), torch.tensor([2.0, 2.0]), timing, ready=_Event(False))
+    assert not rec.settle() and rec.timing is timing  # the host copy is not written yet: keep everything
+    rec.ready.done = True
+    assert rec.settle()
+    assert isinstance(rec.timing, SettledTiming) and rec.ready is None
+    assert rec.as_dict()["total_microbatches"] == 4 and rec.as_dict()["rank_microbatches"] == [2, 2]
+    assert rec.as_dict()["round_s"] == pytest.approx(2e-3)

@@ -1,0 +1,136 @@
+"""The CUDA code path itself, run on CPU over a simulated device (``fake_cuda.py``).
+
+gloo carries the collectives; the fake device the ordering. Its side streams
+run nothing until forced, so a missing event wait on the compute side gives
+wrong numbers, and its race checker flags every access not ordered by an event
+(including a side stream reading the hand-off before it was written). Each
+configuration is checked against the oracle, and for races, host
+synchronisations after the first update, and round tensors the allocator could
+hand out while the side stream still uses them.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from _dist import run_ranks
+from fake_cuda import FakeCuda
+from oracle import update_run
+from tinynet import flat, flat_list, grad_fn, loss_fn, make_model, rel_err
+
+import acco.device_api
+from acco import AccoOptimizer, StreamScheduler
+
+TOL = 1e-5
+UPDATES = 4
+OPTIMIZERS = {
+    "sgd": (torch.optim.SGD, dict(lr=5e-2, momentum=0.9, weight_decay=0.01)),
+    "adamw": (torch.optim.AdamW, dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)),
+    "adamw_fused": (torch.optim.AdamW, dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, fused=True)),
+}
+# On a real GPU, plain AdamW's step counter is made a device tensor (capturable=True, which the CPU
+# lacks); here it stays a CPU-side count whose .item() the fake device sees as a sync.
+SYNC_FREE = {"sgd", "adamw_fused"}
+# (name, optimizer, mode, micro-batches per update, model's fake device, current fake device)
+CONFIGS = [(f"{o}/{mode}", o, mode, 2, 0, 0) for o in ("sgd", "adamw") for mode in ("acco", "dpu", "sync")]
+CONFIGS += [
+    ("adamw_fused/acco", "adamw_fused", "acco", 2, 0, 0),
+    ("sgd/acco/m3", "sgd", "acco", 3, 0, 0),
+    # model.to("cuda:1") without torch.cuda.set_device(1): events must be on the parameters' device
+    ("sgd/acco/model-on-device-1", "sgd", "acco", 2, 1, 0),
+]
+
+
+def _train(name, opt_name, mode, m, model_device, current_device, rank):
+    cls, kw = OPTIMIZERS[opt_name]
+    fake = FakeCuda(devices=2, model_device=model_device, current_device=current_device)
+    acco.device_api.stream_api = lambda device: fake
+    destroyed_after_end = []
+    real_destroy = dist.destroy_process_group
+
+    def destroy(group=None):  # finish(): the last round must have run before its group goes
+        destroyed_after_end.append(all(s.done >= s.issued for s in fake.side_streams))
+        real_destroy(group)
+
+    dist.destroy_process_group = destroy
+    try:
+        with fake:
+            model = make_model()
+            theta0 = [p.detach().clone() for p in model.parameters()]
+            opt = AccoOptimizer(model.parameters(), cls, mode=mode, microbatches_per_update=m, **kw)
+            traj = []
+            for t in range(UPDATES):
+                with fake.forbid_syncs() if t >= 1 else contextlib.nullcontext():
+                    for j in range(m):
+                        (loss_fn(model, rank, t * m + j) / m).backward()
+                    opt.step()
+                    opt.zero_grad()
+                    traj.append(flat(model))  # a copy on the compute stream: needs the round's weights
+            with opt.committed_weights():
+                committed = flat(model)
+            opt.finish()
+            final = flat(model)
+    finally:
+        acco.device_api.stream_api = acco.device_api.__dict__["_real_stream_api"]
+        dist.destroy_process_group = real_destroy
+    return dict(
+        theta0=theta0, traj=traj, committed=committed, final=final, races=fake.races[:5],
+        forbidden_syncs=fake.forbidden_syncs[:3], unrecorded=fake.unrecorded_side_storages()[:5],
+        deferred=fake.deferred_ops, side_priority=[s.priority for s in fake.side_streams],
+        side_devices=[s.device for s in fake.side_streams], destroyed_after_end=destroyed_after_end,
+        uses_streams=opt.scheduler.uses_streams,
+    )
+
+
+def _worker(rank: int, world: int) -> dict:
+    os.environ["ACCO_RING"] = "0"  # native collectives, as on NCCL
+    return {c[0]: _train(*c, rank) for c in CONFIGS}
+
+
+@functools.lru_cache(maxsize=None)
+def _results(world: int):
+    return run_ranks(_worker, world, timeout=600)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+@pytest.mark.parametrize("name", [c[0] for c in CONFIGS])
+def test_cuda_path_matches_oracle_with_no_race(world, name):
+    _, opt_name, mode, m, model_device, _ = next(c for c in CONFIGS if c[0] == name)
+    cls, kw = OPTIMIZERS[opt_name]
+    ref_steps, ref_committed, ref_final = None, None, None
+    for rank, r in enumerate(_results(world)):
+        r = r[name]
+        assert r["uses_streams"], "the test must run the stream path"
+        assert r["deferred"] > 0, "the side stream must have deferred work, or nothing was simulated"
+        assert r["races"] == [], f"rank {rank}: unordered accesses: {r['races']}"
+        assert r["unrecorded"] == [], f"rank {rank}: round memory not record_stream-ed: {r['unrecorded']}"
+        if opt_name in SYNC_FREE:
+            assert r["forbidden_syncs"] == [], f"rank {rank}: host syncs in the loop: {r['forbidden_syncs']}"
+        assert r["side_priority"] == [-1], "one side stream, at high priority"
+        assert r["side_devices"] == [model_device], "the side stream lives on the parameters' device"
+        assert r["destroyed_after_end"] and all(r["destroyed_after_end"]), "round group destroyed before its last round ran"
+        if ref_steps is None:
+            def scaled(rr, i, w):
+                return [g / m for g in grad_fn(rr, i, w)]
+
+            ref_steps, ref_committed, ref_final = update_run(r["theta0"], lambda ps: cls(ps, **kw), mode, scaled,
+                                                             world, UPDATES, m)
+        assert max(rel_err(a, flat_list(b)) for a, b in zip(r["traj"], ref_steps)) < TOL, f"rank {rank}"
+        assert rel_err(r["committed"], flat_list(ref_committed[-1])) < TOL, f"rank {rank}"
+        assert rel_err(r["final"], flat_list(ref_final)) < TOL, f"rank {rank}"
+        assert (r["final"] - flat_list(r["theta0"])).abs().max() > 1e-3, "the weights must move"
+
+
+def test_device_without_index_is_resolved_at_construction():
+    """``torch.device("cuda")``: the scheduler fixes the current device's index once (no set_device later)."""
+    fake = FakeCuda(devices=2, current_device=1)
+    with fake:
+        sched = StreamScheduler(torch.device("cuda"), api=fake)
+    assert sched.device == torch.device("cuda", 1)
+    assert sched.side_stream.device == 1
