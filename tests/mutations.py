@@ -35,6 +35,23 @@ cases = [
   "        _LIVE.add(self)  # closed at interpreter exit if finish() never came", "        pass", "tests/test_dropin.py -k exit_without"),
  ("M14 clipping of .grad not detected", "src/acco/grads.py",
   "        if strict and self.buffer._version != self._version:", "        if False:", "tests/test_dropin.py -k clipping"),
+ ("M15 hand-off event on the current device's stream", "src/acco/scheduler.py",
+  "        timing.submit.record(compute)\n", "        timing.submit.record()\n", "tests/test_stream_protocol.py -k device-1"),
+ ("M16 side stream does not wait for the hand-off", "src/acco/scheduler.py",
+  "        side.wait_event(timing.submit)\n", "", "tests/test_stream_protocol.py -k oracle"),
+ ("M17 compute stream does not wait for the round", "src/acco/scheduler.py",
+  "            compute.wait_event(timing.end)\n", "", "tests/test_stream_protocol.py -k oracle"),
+ ("M18 no end event on the side stream", "src/acco/scheduler.py",
+  "            timing.end.record(side)  # side stream: the round's weights are in its output buffer\n", "",
+  "tests/test_stream_protocol.py -k oracle"),
+ ("M19 round tensors not record_stream-ed", "src/acco/scheduler.py",
+  "            api.record_stream(tensor, side)\n", "            pass\n", "tests/test_stream_protocol.py -k oracle"),
+ ("M20 round group destroyed before the last round ran", "src/acco/scheduler.py",
+  "                self.synchronize()\n", "", "tests/test_stream_protocol.py -k oracle"),
+ ("M21 skip decided on the host on the CUDA path", "src/acco/rounds.py",
+  "                undo = nonfinite_flag\n", "                skipped = bool(nonfinite_flag)\n", "tests/test_stream_protocol.py -k oracle"),
+ ("M22 reports read before the device wrote them", "src/acco/optimizer.py",
+  "            if not block and not end.query():\n                return\n", "", "tests/test_stream_protocol.py"),
 ]
 only = sys.argv[1:]
 for name, path, old, new, tests in cases:

@@ -99,3 +99,46 @@ def test_cuda_round_stats_from_events():
     for r in stats:
         assert r["round_s"] is not None and r["round_s"] > 0 and r["wait_s"] >= 0 and r["compute_s"] >= 0
         assert r["rank_microbatches"] == [r["local_microbatches"]]
+
+
+@pytest.mark.parametrize("mode", ["acco", "dpu", "sync"])
+def test_cuda_one_step_per_update_matches_oracle(mode):
+    """The default loop (M backward passes, one step()) on the side stream, against the oracle."""
+    from oracle import update_run
+    from tinynet import grad_fn
+
+    m, updates = 2, 5
+    model = make_model().cuda()
+    theta0 = [p.detach().cpu().clone() for p in model.parameters()]
+    opt = AccoOptimizer(model.parameters(), mode=mode, microbatches_per_update=m, **KW)
+    assert opt.scheduler.uses_streams and opt.local_optimizer.defaults.get("capturable") is True
+    traj = []
+    for t in range(updates):
+        for j in range(m):
+            x, y = (v.cuda() for v in batch(0, t * m + j))
+            (((model(x) - y) ** 2).mean() / m).backward()
+        opt.step()
+        opt.zero_grad()
+        traj.append(flat(model).cpu())
+    opt.finish()
+    ref, _, ref_final = update_run(theta0, lambda ps: torch.optim.AdamW(ps, **KW), mode,
+                                   lambda r, i, w: [g / m for g in grad_fn(r, i, w)], 1, updates, m)
+    assert max(rel_err(a, flat_list(b)) for a, b in zip(traj, ref)) < 1e-5
+    assert rel_err(flat(model).cpu(), flat_list(ref_final)) < 1e-5
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_cuda_model_on_another_device_than_the_current_one():
+    """model.to("cuda:1") without torch.cuda.set_device(1): events and the side stream follow the parameters."""
+    torch.cuda.set_device(0)
+    model = make_model().to("cuda:1")
+    opt = AccoOptimizer(model.parameters(), mode="acco", microbatches_per_update=2, **KW)
+    assert opt.scheduler.side_stream.device == torch.device("cuda", 1)
+    for t in range(3):
+        for j in range(2):
+            x, y = (v.to("cuda:1") for v in batch(0, 2 * t + j))
+            ((model(x) - y) ** 2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    opt.finish()
+    assert torch.isfinite(flat(model)).all()

@@ -146,3 +146,17 @@ def test_round_record_settles_without_blocking():
     assert isinstance(rec.timing, SettledTiming) and rec.ready is None
     assert rec.as_dict()["total_microbatches"] == 4 and rec.as_dict()["rank_microbatches"] == [2, 2]
     assert rec.as_dict()["round_s"] == pytest.approx(2e-3)
+
+
+def test_cuda_step_counters_live_on_the_device():
+    """On CUDA the wrapped optimizer keeps its step counters on the device (capturable=True), unless the user
+    chose fused/capturable or the class has no such option; on CPU nothing changes."""
+    from acco._validation import device_resident_state
+
+    cuda = torch.device("cuda", 0)
+    assert device_resident_state(torch.optim.AdamW, {"lr": 1.0}, cuda) == {"lr": 1.0, "capturable": True}
+    assert device_resident_state(torch.optim.AdamW, {"fused": True}, cuda) == {"fused": True}
+    assert device_resident_state(torch.optim.AdamW, {"capturable": False}, cuda) == {"capturable": False}
+    assert device_resident_state(torch.optim.Adagrad, {}, cuda) == {}
+    assert device_resident_state(torch.optim.SGD, {}, cuda) == {}
+    assert device_resident_state(torch.optim.AdamW, {}, torch.device("cpu")) == {}

@@ -134,3 +134,78 @@ def test_device_without_index_is_resolved_at_construction():
         sched = StreamScheduler(torch.device("cuda"), api=fake)
     assert sched.device == torch.device("cuda", 1)
     assert sched.side_stream.device == 1
+
+
+def _faulty_run(rank, nonfinite, path, inject):
+    """Six updates of SGD with momentum in mode acco; ``inject``: an inf loss on rank 0 in update 2, or a
+    learning rate changed on rank 1 only from update 2."""
+    from acco import HyperParameterMismatchError, NonFiniteGradientError
+
+    fake = FakeCuda() if path == "stream" else None
+    if fake is not None:
+        acco.device_api.stream_api = lambda device: fake
+    raised_at, error = None, None
+    try:
+        with fake if fake is not None else contextlib.nullcontext():
+            model = make_model()
+            opt = AccoOptimizer(model.parameters(), torch.optim.SGD, mode="acco", microbatches_per_update=2,
+                                nonfinite=nonfinite, lr=5e-2, momentum=0.9)
+            t = 0
+            try:
+                for t in range(6):
+                    for j in range(2):
+                        loss = loss_fn(model, rank, 2 * t + j) / 2
+                        if inject == "inf" and (t, j, rank) == (2, 1, 0):
+                            loss = loss * float("inf")
+                        loss.backward()
+                    if inject == "lr" and t == 2 and rank == 1:
+                        opt.param_groups[0]["lr"] = 0.1
+                    opt.step()
+                    opt.zero_grad()
+                opt.finish()
+            except (NonFiniteGradientError, HyperParameterMismatchError) as exc:
+                raised_at, error = t, type(exc).__name__
+            final = flat(model)
+    finally:
+        acco.device_api.stream_api = acco.device_api.__dict__["_real_stream_api"]
+    return dict(final=final, skipped=opt.num_skipped_updates, raised_at=raised_at, error=error,
+                races=fake.races[:3] if fake is not None else [])
+
+
+def _fault_worker(rank: int, world: int) -> dict:
+    os.environ["ACCO_RING"] = "0"
+    return {
+        "skip/stream": _faulty_run(rank, "skip", "stream", "inf"),
+        "skip/cpu": _faulty_run(rank, "skip", "cpu", "inf"),
+        "raise/stream": _faulty_run(rank, "raise", "stream", "inf"),
+        "hyper/stream": _faulty_run(rank, "skip", "stream", "lr"),
+    }
+
+
+@functools.lru_cache(maxsize=None)
+def _fault_results():
+    return run_ranks(_fault_worker, 2, timeout=600)
+
+
+def test_nonfinite_skip_is_decided_on_the_device_like_on_cpu():
+    """A non-finite commit is undone on the device (torch.where over the snapshot): the same run as the
+    CPU path's host decision, and counted once the report is read."""
+    for rank, r in enumerate(_fault_results()):
+        stream, cpu = r["skip/stream"], r["skip/cpu"]
+        assert stream["error"] is None and cpu["error"] is None
+        assert stream["skipped"] == cpu["skipped"] == 1, (stream["skipped"], cpu["skipped"])
+        assert torch.isfinite(stream["final"]).all()
+        assert rel_err(stream["final"], cpu["final"]) < 1e-12, f"rank {rank}"
+        assert stream["races"] == []
+
+
+@pytest.mark.parametrize("case,error", [("raise/stream", "NonFiniteGradientError"),
+                                        ("hyper/stream", "HyperParameterMismatchError")])
+def test_device_decided_errors_surface_at_a_later_step_on_every_rank(case, error):
+    """nonfinite='raise' and mismatched hyper-parameters, found on the device, raise from a later step()
+    (read without blocking) or finish(); the simulated device finishes rounds at the same points on
+    every rank, so both ranks raise in the same update here."""
+    results = [r[case] for r in _fault_results()]
+    assert [r["error"] for r in results] == [error, error]
+    assert results[0]["raised_at"] == results[1]["raised_at"] >= 2
+    assert all(r["races"] == [] for r in results)

@@ -3,6 +3,7 @@ received and what to do."""
 
 from __future__ import annotations
 
+import inspect
 import os
 from typing import Any, Dict, Iterable, List, Optional
 
@@ -186,6 +187,24 @@ def check_params(params: Iterable[torch.Tensor]) -> None:
             f"all trainable parameters must share one dtype, got {sorted(str(d) for d in dtypes)}: "
             "cast the model (model.to(dtype)) or pass compute_dtype=..."
         )
+
+
+def device_resident_state(optimizer_class: type, kwargs: Dict[str, Any], device: torch.device) -> Dict[str, Any]:
+    """On CUDA, ask the wrapped optimizer to keep its step counters on the device (``capturable=True``).
+
+    The same arithmetic; what changes is that a round can undo a step skipped
+    for a non-finite gradient on the device (``torch.where``), with no host
+    synchronisation. Left alone where the user chose (``fused``/``capturable``
+    given) or the class has no such option (Adagrad: its rounds then decide a
+    skip on the host, one sync per round).
+    """
+    if torch.device(device).type != "cuda" or {"fused", "capturable"} & set(kwargs):
+        return kwargs
+    try:
+        accepts = "capturable" in inspect.signature(optimizer_class.__init__).parameters
+    except (TypeError, ValueError):
+        accepts = False
+    return {**kwargs, "capturable": True} if accepts else kwargs
 
 
 def check_accumulation_dtype(accumulation_dtype: Optional[torch.dtype], compute_dtype: torch.dtype) -> torch.dtype:

@@ -64,7 +64,8 @@ def ddp_wrappers_of(params: Iterable[torch.Tensor]) -> List[DistributedDataParal
     with warnings.catch_warnings():  # isinstance() on some lazy module attributes warns of deprecations
         warnings.simplefilter("ignore")
         for obj in gc.get_objects():
-            if isinstance(obj, DistributedDataParallel):
+            # type(), not isinstance(): isinstance() on a dead weakref.proxy (torch.compile keeps some) raises
+            if issubclass(type(obj), DistributedDataParallel):
                 if any(id(p) in ids for p in getattr(obj, "_module_parameters", [])):
                     found.append(obj)
     return found

@@ -284,6 +284,7 @@ class AccoOptimizer(torch.optim.Optimizer):
                 k += 1
             self._pieces.extend(group_pieces)
             local_groups.append({**{key: v for key, v in g.items() if key != "params"}, "params": group_pieces})
+        optimizer_kwargs = V.device_resident_state(optimizer_class, optimizer_kwargs, device)
         try:
             self.local_optimizer = optimizer_class(local_groups, **optimizer_kwargs)
         except TypeError as exc:

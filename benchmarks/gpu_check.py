@@ -1,0 +1,339 @@
+"""The GPU acceptance, in one command, for the first machine with an NVIDIA GPU:
+
+    .venv/bin/python benchmarks/gpu_check.py               # on the GPU machine: rewrites docs/gpu.md's results
+    .venv/bin/python benchmarks/gpu_check.py --dry-run --out /tmp/gpu.md   # on CPU (CI runs this)
+
+Five checks, each a section of the report:
+
+1. ``tests/test_cuda.py`` (pytest; all skip without a GPU).
+2. A ``torch.profiler`` trace of a few updates on one GPU: kernel time per
+   CUDA stream, how much of the side stream's kernel time (the rounds) runs
+   while another stream has a kernel running (the next backward), and the
+   host-blocking CUDA runtime calls per update (``cudaDeviceSynchronize``,
+   ``cudaStreamSynchronize``, ``cudaEventSynchronize``; the loop should
+   issue none).
+3. The per-update time of ACCO against plain ``torch.optim.AdamW`` on one GPU
+   (same model and micro-batches; interleaved repeats, median and spread).
+4. ``torch.compile(model)`` trained through ACCO's swaps: compiled frames after
+   the first update and after the last must be equal (no recompiles).
+5. Peak GPU memory against the buffers of ``docs/algorithm.md``'s table.
+
+``--dry-run`` runs every section on the CPU with a tiny model so the script
+itself is exercised: the CUDA tests skip, the profiler sees no kernels (the
+trace analysis is shown on a synthetic trace instead, labelled so), timings
+are CPU timings of a toy, and compile uses the ``eager`` backend. A dry run
+never writes ``docs/gpu.md`` unless ``--out`` says so.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Sequence, Tuple
+
+import torch
+from torch import nn
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from acco import AccoOptimizer  # noqa: E402
+
+BEGIN, END = "<!-- gpu_check:begin -->", "<!-- gpu_check:end -->"
+HOST_SYNCS = ("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize")
+
+
+# ---------------------------------------------------------------- the model and the loop
+
+
+def make_model(width: int, layers: int, device: str) -> nn.Module:
+    torch.manual_seed(0)
+    blocks: List[nn.Module] = []
+    for _ in range(layers):
+        blocks += [nn.Linear(width, width), nn.GELU()]
+    return nn.Sequential(*blocks).to(device)
+
+
+def batches(width: int, batch: int, device: str, n: int) -> List[Tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(batch, width, generator=g).to(device), torch.randn(batch, width, generator=g).to(device))
+            for _ in range(n)]
+
+
+def train(model: nn.Module, opt: torch.optim.Optimizer, data, updates: int, m: int) -> None:
+    for t in range(updates):
+        for j in range(m):
+            x, y = data[(t * m + j) % len(data)]
+            (((model(x) - y) ** 2).mean() / m).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def synchronize(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+# ---------------------------------------------------------------- 1. the CUDA tests
+
+
+def check_tests() -> Dict[str, Any]:
+    cmd = [sys.executable, "-m", "pytest", "-q", "-rs", "tests/test_cuda.py"]
+    r = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=1800)
+    lines = [l for l in r.stdout.splitlines() if l.strip()]
+    return {"command": " ".join(cmd[1:]), "exit": r.returncode, "summary": lines[-1] if lines else r.stderr[-300:]}
+
+
+# ---------------------------------------------------------------- 2. the profiler trace
+
+
+def analyze_trace(events: Sequence[Dict[str, Any]], updates: int) -> Dict[str, Any]:
+    """From Chrome-trace events: kernel time per stream, the side streams' kernel time overlapped by another
+    stream's kernels, and host-blocking runtime calls per update. Pure: testable on a synthetic trace."""
+    kernels: Dict[Any, List[Tuple[float, float]]] = {}
+    syncs: Dict[str, int] = {}
+    for e in events:
+        if e.get("ph") != "X":
+            continue
+        if e.get("cat") == "kernel":
+            stream = e.get("args", {}).get("stream")
+            kernels.setdefault(stream, []).append((float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))))
+        elif e.get("cat") == "cuda_runtime" and e.get("name") in HOST_SYNCS:
+            syncs[e["name"]] = syncs.get(e["name"], 0) + 1
+    busy = {s: sum(b - a for a, b in iv) for s, iv in kernels.items()}
+    out: Dict[str, Any] = {"kernel_us_per_stream": busy, "host_syncs_per_update": {k: v / updates for k, v in syncs.items()}}
+    if not kernels:
+        out["compute_stream"] = out["overlap"] = None
+        return out
+    compute = max(busy, key=busy.get)  # the stream with the most kernel time: forward and backward
+    out["compute_stream"] = compute
+    merged = _merge(kernels[compute])
+    overlap = {}
+    for s, iv in kernels.items():
+        if s == compute:
+            continue
+        covered = sum(_intersection(a, b, merged) for a, b in iv)
+        overlap[s] = covered / busy[s] if busy[s] > 0 else None
+    out["overlap"] = overlap  # per side stream: share of its kernel time with a compute kernel running
+    return out
+
+
+def _merge(iv: List[Tuple[float, float]]) -> List[Tuple[float, float]]:
+    out: List[Tuple[float, float]] = []
+    for a, b in sorted(iv):
+        if out and a <= out[-1][1]:
+            out[-1] = (out[-1][0], max(out[-1][1], b))
+        else:
+            out.append((a, b))
+    return out
+
+
+def _intersection(a: float, b: float, merged: List[Tuple[float, float]]) -> float:
+    return sum(max(0.0, min(b, d) - max(a, c)) for c, d in merged)
+
+
+SYNTHETIC_TRACE = [  # what a good trace looks like: side-stream kernels under compute kernels, no host syncs
+    {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 0, "dur": 100, "args": {"stream": 7}},
+    {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 100, "dur": 100, "args": {"stream": 7}},
+    {"ph": "X", "cat": "kernel", "name": "ncclKernel_ReduceScatter", "ts": 20, "dur": 60, "args": {"stream": 13}},
+    {"ph": "X", "cat": "kernel", "name": "multi_tensor_apply_kernel", "ts": 150, "dur": 80, "args": {"stream": 13}},
+    {"ph": "X", "cat": "cuda_runtime", "name": "cudaLaunchKernel", "ts": 0, "dur": 1},
+]
+
+
+def check_trace(width: int, layers: int, batch: int, device: str, dry: bool) -> Dict[str, Any]:
+    from torch.profiler import ProfilerActivity, profile
+
+    model = make_model(width, layers, device)
+    opt = AccoOptimizer(model.parameters(), mode="acco", microbatches_per_update=4, lr=1e-4)
+    data = batches(width, batch, device, 8)
+    train(model, opt, data, 2, 4)  # warm up: state allocated, learned nothing (M given)
+    synchronize(device)
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.startswith("cuda") else [])
+    updates = 4
+    with profile(activities=activities) as prof:
+        train(model, opt, data, updates, 4)
+        synchronize(device)
+    opt.finish()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = json.load(f)["traceEvents"]
+    result = analyze_trace(events, updates)
+    if dry and result["compute_stream"] is None:
+        result["synthetic_trace_analysis"] = analyze_trace(SYNTHETIC_TRACE, 1)
+    return result
+
+
+# ---------------------------------------------------------------- 3. overhead vs plain AdamW
+
+
+def check_overhead(width: int, layers: int, batch: int, device: str, repeats: int, updates: int) -> Dict[str, Any]:
+    data = batches(width, batch, device, 8)
+    times: Dict[str, List[float]] = {"adamw": [], "acco": []}
+    for _ in range(repeats):
+        for method in ("adamw", "acco"):  # interleaved: A B A B ...
+            model = make_model(width, layers, device)
+            opt: Any = (torch.optim.AdamW(model.parameters(), lr=1e-4) if method == "adamw" else
+                        AccoOptimizer(model.parameters(), mode="acco", microbatches_per_update=4, lr=1e-4))
+            train(model, opt, data, 2, 4)  # warm-up
+            synchronize(device)
+            t0 = time.perf_counter()
+            train(model, opt, data, updates, 4)
+            synchronize(device)
+            times[method].append((time.perf_counter() - t0) / updates)
+            if method == "acco":
+                opt.finish()
+    ratios = [a / b for a, b in zip(times["acco"], times["adamw"])]
+    return {
+        "s_per_update_median": {k: statistics.median(v) for k, v in times.items()},
+        "acco_over_adamw_median": statistics.median(ratios),
+        "acco_over_adamw_range": (min(ratios), max(ratios)),
+        "repeats": repeats,
+    }
+
+
+# ---------------------------------------------------------------- 4. torch.compile
+
+
+def check_compile(width: int, layers: int, batch: int, device: str, dry: bool) -> Dict[str, Any]:
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    torch._dynamo.reset()
+    counters.clear()
+    model = make_model(width, layers, device)
+    compiled = torch.compile(model, backend="eager" if dry else "inductor")
+    opt = AccoOptimizer(model.parameters(), mode="acco", microbatches_per_update=2, lr=1e-4)
+    data = batches(width, batch, device, 8)
+    train(compiled, opt, data, 1, 2)
+    after_first = sum(counters["frames"].values()), dict(counters["recompiles"]) if "recompiles" in counters else {}
+    train(compiled, opt, data, 5, 2)
+    after_last = sum(counters["frames"].values()), dict(counters["recompiles"]) if "recompiles" in counters else {}
+    with opt.committed_weights():
+        compiled(data[0][0])
+    opt.finish()
+    after_finish = sum(counters["frames"].values())
+    return {"backend": "eager" if dry else "inductor", "frames_after_first_update": after_first[0],
+            "frames_after_six_updates": after_last[0], "frames_after_committed_eval": after_finish,
+            "no_recompiles": after_first[0] == after_last[0] == after_finish}
+
+
+# ---------------------------------------------------------------- 5. memory
+
+
+def check_memory(width: int, layers: int, batch: int, device: str) -> Dict[str, Any]:
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    model = make_model(width, layers, device)
+    opt = AccoOptimizer(model.parameters(), mode="acco", microbatches_per_update=4, lr=1e-4)
+    data = batches(width, batch, device, 8)
+    train(model, opt, data, 3, 4)
+    synchronize(device)
+    report = opt.memory_report()
+    opt.finish()
+    table = report["params"] + report["library_total"]  # docs/algorithm.md's buffers, as memory_report counts them
+    out: Dict[str, Any] = {"table_bytes": table, "memory_report": report}
+    if cuda:
+        peak = torch.cuda.max_memory_allocated()
+        out.update(peak_allocated_bytes=peak, peak_over_table=peak / table)
+    return out
+
+
+# ---------------------------------------------------------------- report
+
+
+def render(results: Dict[str, Any], dry: bool, device: str, argv: Sequence[str]) -> str:
+    mib = 1 << 20
+    r = results
+    lines = [
+        BEGIN,
+        "",
+        f"Produced by `python benchmarks/gpu_check.py {' '.join(argv)}` on {r['device_name']}, "
+        f"torch {torch.__version__}, {time.strftime('%Y-%m-%d')}.",
+    ]
+    if dry:
+        lines += ["", "**Dry run on CPU: no GPU was used. Nothing below is a GPU measurement; it shows that the "
+                      "script runs end to end.**"]
+    t = r["tests"]
+    lines += ["", "### 1. CUDA tests", "", f"`{t['command']}`: exit {t['exit']}, `{t['summary']}`"]
+    tr = r["trace"]
+    lines += ["", "### 2. Profiler trace (4 updates of 4 micro-batches, mode acco)", ""]
+    if tr["compute_stream"] is None:
+        lines.append("No CUDA kernels in the trace (CPU run).")
+        if "synthetic_trace_analysis" in tr:
+            lines.append(f"Analysis of the built-in synthetic trace (checks the analysis only): "
+                         f"`{tr['synthetic_trace_analysis']}`")
+    else:
+        lines.append(f"Kernel time per stream (us): `{tr['kernel_us_per_stream']}`; compute stream {tr['compute_stream']}.")
+        lines.append(f"Share of each side stream's kernel time overlapped by compute kernels: `{tr['overlap']}`.")
+    lines.append(f"Host-blocking CUDA runtime calls per update: `{tr['host_syncs_per_update'] or 'none'}`.")
+    o = r["overhead"]
+    lines += ["", "### 3. Per-update time, ACCO vs plain AdamW (one device)", "",
+              f"Median s/update: AdamW {o['s_per_update_median']['adamw']:.4g}, ACCO {o['s_per_update_median']['acco']:.4g}; "
+              f"ACCO/AdamW median {o['acco_over_adamw_median']:.3f}, range {o['acco_over_adamw_range'][0]:.3f}–"
+              f"{o['acco_over_adamw_range'][1]:.3f} over {o['repeats']} interleaved repeats."]
+    c = r["compile"]
+    lines += ["", f"### 4. torch.compile ({c['backend']} backend)", "",
+              f"Compiled frames after the first update {c['frames_after_first_update']}, after six "
+              f"{c['frames_after_six_updates']}, after an evaluation in committed_weights() "
+              f"{c['frames_after_committed_eval']}: {'no recompiles' if c['no_recompiles'] else 'RECOMPILED'}."]
+    m = r["memory"]
+    lines += ["", "### 5. Memory against docs/algorithm.md", "",
+              f"Buffers of the table (parameters + memory_report's library_total): {m['table_bytes'] / mib:.1f} MiB."]
+    if "peak_allocated_bytes" in m:
+        lines.append(f"Peak allocated: {m['peak_allocated_bytes'] / mib:.1f} MiB "
+                     f"({m['peak_over_table']:.2f}x the table; the rest is activations and temporaries).")
+    else:
+        lines.append("No GPU: peak device memory not measured.")
+    lines += ["", END]
+    return "\n".join(lines) + "\n"
+
+
+def write_report(path: Path, block: str) -> None:
+    text = path.read_text() if path.exists() else ""
+    if BEGIN in text and END in text:
+        text = text[: text.index(BEGIN)] + block + text[text.index(END) + len(END) + 1 :]
+    else:
+        text = text + ("\n" if text else "") + block
+    path.write_text(text)
+
+
+def main(argv: Sequence[str] = None) -> Dict[str, Any]:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--dry-run", action="store_true", help="run every section on the CPU with a tiny model")
+    p.add_argument("--out", type=Path, default=None, help="report file (default: docs/gpu.md; none on a dry run)")
+    p.add_argument("--repeats", type=int, default=None)
+    args = p.parse_args(argv)
+    dry = args.dry_run
+    if not dry and not torch.cuda.is_available():
+        p.error("no CUDA device: run on a GPU machine, or pass --dry-run")
+    device = "cpu" if dry else "cuda"
+    width, layers, batch = (32, 2, 4) if dry else (4096, 8, 16)
+    results: Dict[str, Any] = {"device_name": "CPU (dry run)" if dry else torch.cuda.get_device_name()}
+    results["tests"] = check_tests()
+    results["trace"] = check_trace(width, layers, batch, device, dry)
+    results["overhead"] = check_overhead(width, layers, batch, device, args.repeats or (1 if dry else 5), 2 if dry else 20)
+    results["compile"] = check_compile(width, layers, batch, device, dry)
+    results["memory"] = check_memory(width, layers, batch, device)
+    block = render(results, dry, device, argv)
+    out = args.out if args.out is not None else (None if dry else ROOT / "docs" / "gpu.md")
+    if out is not None:
+        write_report(out, block)
+    print(block)
+    return results
+
+
+if __name__ == "__main__":
+    main()
