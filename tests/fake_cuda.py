@@ -128,6 +128,10 @@ class FakeEvent:
             _LAYER._host_sync(self.stream, self.seq, "Event.synchronize", self.clock)
 
     def elapsed_time(self, other: "FakeEvent") -> float:
+        if self.stream is None or other.stream is None:  # as CUDA: both events must have been recorded
+            raise RuntimeError("elapsed_time() of an event that was never recorded")
+        if not (self.query() and other.query()):
+            raise RuntimeError("elapsed_time() of an event that has not completed")
         return 0.0
 
 

@@ -52,6 +52,18 @@ cases = [
   "                undo = nonfinite_flag\n", "                skipped = bool(nonfinite_flag)\n", "tests/test_stream_protocol.py -k oracle"),
  ("M22 reports read before the device wrote them", "src/acco/optimizer.py",
   "            if not block and not end.query():\n                return\n", "", "tests/test_stream_protocol.py"),
+ ("M23 no start event of a round", "src/acco/scheduler.py",
+  "            timing.start.record(side)  # side stream: the round begins (for round_s only)\n", "",
+  "tests/test_stream_protocol.py -k oracle"),
+ ("M24 no event after the history's host copy", "src/acco/scheduler.py",
+  "        event.record(self._api.current_stream(self.device))  # compute stream: after the work issued so far\n", "",
+  "tests/test_stream_protocol.py -k oracle"),
+ ("M25 no wait-begin event", "src/acco/scheduler.py",
+  "            timing.wait_begin.record(compute)  # compute stream: what it had to do before needing the round\n", "",
+  "tests/test_stream_protocol.py -k oracle"),
+ ("M26 no wait-end event", "src/acco/scheduler.py",
+  "            timing.wait_end.record(compute)  # compute stream: resumes after the round (for wait_s only)\n", "",
+  "tests/test_stream_protocol.py -k oracle"),
 ]
 only = sys.argv[1:]
 for name, path, old, new, tests in cases:

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from _dist import run_ranks
 from fake_cuda import FakeCuda
-from oracle import update_run
+from oracle import reference_run, update_run
 from tinynet import flat, flat_list, grad_fn, loss_fn, make_model, rel_err
 
 import acco.device_api
@@ -44,7 +44,11 @@ CONFIGS += [
     ("sgd/acco/m3", "sgd", "acco", 3, 0, 0),
     # model.to("cuda:1") without torch.cuda.set_device(1): events must be on the parameters' device
     ("sgd/acco/model-on-device-1", "sgd", "acco", 2, 1, 0),
+    # accumulate_while_communicating with max_microbatches=1: a hand-off at every step(), the bound reached
+    # each time, so the compute stream (not the host) waits for the round
+    ("sgd/acco/accumulate-while-communicating", "sgd", "acco", None, 0, 0),
 ]
+ELASTIC_STEPS = 6
 
 
 def _train(name, opt_name, mode, m, model_device, current_device, rank):
@@ -63,15 +67,22 @@ def _train(name, opt_name, mode, m, model_device, current_device, rank):
         with fake:
             model = make_model()
             theta0 = [p.detach().clone() for p in model.parameters()]
-            opt = AccoOptimizer(model.parameters(), cls, mode=mode, microbatches_per_update=m, **kw)
+            if m is None:
+                opt = AccoOptimizer(model.parameters(), cls, mode=mode, accumulate_while_communicating=True,
+                                    max_microbatches=1, **kw)
+            else:
+                opt = AccoOptimizer(model.parameters(), cls, mode=mode, microbatches_per_update=m, **kw)
             traj = []
-            for t in range(UPDATES):
-                with fake.forbid_syncs() if t >= 1 else contextlib.nullcontext():
-                    for j in range(m):
-                        (loss_fn(model, rank, t * m + j) / m).backward()
+            for t in range(UPDATES if m is not None else ELASTIC_STEPS):
+                # until the first commit has run, the optimizer has no state to undo a skip with: the host decides
+                first_commit_done = t >= (1 if m is not None else 2)
+                with fake.forbid_syncs() if first_commit_done else contextlib.nullcontext():
+                    for j in range(m or 1):
+                        (loss_fn(model, rank, t * (m or 1) + j) / (m or 1)).backward()
                     opt.step()
                     opt.zero_grad()
                     traj.append(flat(model))  # a copy on the compute stream: needs the round's weights
+            stats = opt.round_stats()  # timing events and the counts' host copies, read once complete
             with opt.committed_weights():
                 committed = flat(model)
             opt.finish()
@@ -84,7 +95,7 @@ def _train(name, opt_name, mode, m, model_device, current_device, rank):
         forbidden_syncs=fake.forbidden_syncs[:3], unrecorded=fake.unrecorded_side_storages()[:5],
         deferred=fake.deferred_ops, side_priority=[s.priority for s in fake.side_streams],
         side_devices=[s.device for s in fake.side_streams], destroyed_after_end=destroyed_after_end,
-        uses_streams=opt.scheduler.uses_streams,
+        uses_streams=opt.scheduler.uses_streams, rounds=opt.num_rounds, stats=stats,
     )
 
 
@@ -115,14 +126,24 @@ def test_cuda_path_matches_oracle_with_no_race(world, name):
         assert r["side_priority"] == [-1], "one side stream, at high priority"
         assert r["side_devices"] == [model_device], "the side stream lives on the parameters' device"
         assert r["destroyed_after_end"] and all(r["destroyed_after_end"]), "round group destroyed before its last round ran"
-        if ref_steps is None:
+        stats = r["stats"]
+        assert len(stats) == r["rounds"] - (mode != "sync")  # all collected rounds (the last is in flight)
+        assert all(s["round_s"] is not None and s["wait_s"] is not None for s in stats[:-1]), stats
+        assert all(len(s["rank_microbatches"]) == world and sum(s["rank_microbatches"]) == s["total_microbatches"] > 0
+                   for s in stats)
+        if m is None:  # the accumulate-while-communicating loop: one micro-batch per hand-off on every rank
+            steps, final = reference_run(r["theta0"], lambda ps: cls(ps, **kw), mode, grad_fn,
+                                         [[1] * ELASTIC_STEPS] * world)
+            ref_steps, ref_final = steps[rank], final
+        elif ref_steps is None:
             def scaled(rr, i, w):
                 return [g / m for g in grad_fn(rr, i, w)]
 
             ref_steps, ref_committed, ref_final = update_run(r["theta0"], lambda ps: cls(ps, **kw), mode, scaled,
                                                              world, UPDATES, m)
         assert max(rel_err(a, flat_list(b)) for a, b in zip(r["traj"], ref_steps)) < TOL, f"rank {rank}"
-        assert rel_err(r["committed"], flat_list(ref_committed[-1])) < TOL, f"rank {rank}"
+        if m is not None:
+            assert rel_err(r["committed"], flat_list(ref_committed[-1])) < TOL, f"rank {rank}"
         assert rel_err(r["final"], flat_list(ref_final)) < TOL, f"rank {rank}"
         assert (r["final"] - flat_list(r["theta0"])).abs().max() > 1e-3, "the weights must move"
 
