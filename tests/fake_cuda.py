@@ -209,8 +209,12 @@ class FakeCuda(TorchDispatchMode):
     def host_empty(self, shape: Any, dtype: torch.dtype) -> torch.Tensor:
         with _disable_current_modes():
             t = torch.empty(shape, dtype=dtype)
-        self.host_storages.add(_key(t))
-        self.owner[_key(t)] = "host"
+        k = _key(t)
+        self._retire(k)
+        self.last_write.pop(k, None)
+        self.reads.pop(k, None)
+        self.host_storages.add(k)
+        self.owner[k] = "host"
         return t
 
     def synchronize(self) -> None:
@@ -378,9 +382,10 @@ class FakeCuda(TorchDispatchMode):
                 self.reads[k] = {}
                 if not stream.eager:
                     self.side_touched[k] = stream.name
-        for t in outputs:  # fresh memory: its history starts here
+        for t in outputs:  # fresh memory: its history starts here (a freed host_empty tensor's memory included)
             k = _key(t)
-            if k is not None and k not in self.host_storages:
+            if k is not None:
+                self.host_storages.discard(k)
                 self._retire(k)
                 self.last_write[k] = (stream.name, n)
                 self.reads[k] = {}

@@ -160,3 +160,23 @@ def test_cuda_step_counters_live_on_the_device():
     assert device_resident_state(torch.optim.Adagrad, {}, cuda) == {}
     assert device_resident_state(torch.optim.SGD, {}, cuda) == {}
     assert device_resident_state(torch.optim.AdamW, {}, torch.device("cpu")) == {}
+
+
+def test_implementation_flags_are_not_checkpointed():
+    """capturable (set on CUDA), fused, foreach: how this run computes, not what; a GPU checkpoint must load on
+    a CPU, so they are neither saved nor restored."""
+    model = make_model()
+    opt = AccoOptimizer(model.parameters(), mode="sync", microbatches_per_update=1, lr=1e-2)
+    loss_fn(model, 0, 0).backward()
+    opt.step()
+    opt.zero_grad()
+    opt.param_groups[0]["capturable"] = True  # as a CUDA run's group would say
+    sd = opt.state_dict()
+    opt.param_groups[0]["capturable"] = False
+    assert not any(k.split(".", 1)[1] in ("capturable", "fused", "foreach", "differentiable") for k in sd["hyper"])
+    assert any(k.endswith(".lr") for k in sd["hyper"])
+    opt.load_state_dict(sd)
+    assert opt.param_groups[0]["capturable"] is False
+    loss_fn(model, 0, 1).backward()
+    opt.step()
+    opt.finish()

@@ -58,8 +58,8 @@ def _train(name, opt_name, mode, m, model_device, current_device, rank):
     destroyed_after_end = []
     real_destroy = dist.destroy_process_group
 
-    def destroy(group=None):  # finish(): the last round must have run before its group goes
-        destroyed_after_end.append(all(s.done >= s.issued for s in fake.side_streams))
+    def destroy(group=None):  # finish(): the host must know that the last round has run before its group goes
+        destroyed_after_end.append(all(fake.host_clock.get(s.name, 0) >= s.issued for s in fake.side_streams))
         real_destroy(group)
 
     dist.destroy_process_group = destroy
@@ -82,10 +82,14 @@ def _train(name, opt_name, mode, m, model_device, current_device, rank):
                     opt.step()
                     opt.zero_grad()
                     traj.append(flat(model))  # a copy on the compute stream: needs the round's weights
-            stats = opt.round_stats()  # timing events and the counts' host copies, read once complete
+            # Round records: timing events and the counts' host copies. Read mid-run in one configuration (their
+            # events must be waited for); after finish() in the others, whose finish() must wait by itself.
+            early = name == "sgd/acco"
+            stats = opt.round_stats() if early else None
             with opt.committed_weights():
                 committed = flat(model)
             opt.finish()
+            stats = stats if early else opt.round_stats()
             final = flat(model)
     finally:
         acco.device_api.stream_api = acco.device_api.__dict__["_real_stream_api"]
@@ -127,7 +131,8 @@ def test_cuda_path_matches_oracle_with_no_race(world, name):
         assert r["side_devices"] == [model_device], "the side stream lives on the parameters' device"
         assert r["destroyed_after_end"] and all(r["destroyed_after_end"]), "round group destroyed before its last round ran"
         stats = r["stats"]
-        assert len(stats) == r["rounds"] - (mode != "sync")  # all collected rounds (the last is in flight)
+        early = name == "sgd/acco"
+        assert len(stats) == r["rounds"] - (mode != "sync" and early)  # collected rounds (mid-run: one in flight)
         assert all(s["round_s"] is not None and s["wait_s"] is not None for s in stats[:-1]), stats
         assert all(len(s["rank_microbatches"]) == world and sum(s["rank_microbatches"]) == s["total_microbatches"] > 0
                    for s in stats)
@@ -230,3 +235,25 @@ def test_device_decided_errors_surface_at_a_later_step_on_every_rank(case, error
     assert [r["error"] for r in results] == [error, error]
     assert results[0]["raised_at"] == results[1]["raised_at"] >= 2
     assert all(r["races"] == [] for r in results)
+
+
+def test_finish_waits_on_the_host_for_the_last_round():
+    """One process, a round in flight at finish(), nothing else synchronising: finish() itself must make the
+    host wait for the last round (its report is read, then its communicator may go)."""
+    fake = FakeCuda()
+    acco.device_api.stream_api = lambda device: fake
+    try:
+        with fake:
+            model = make_model()
+            opt = AccoOptimizer(model.parameters(), torch.optim.SGD, mode="acco", microbatches_per_update=2, lr=5e-2)
+            for t in range(3):
+                for j in range(2):
+                    (loss_fn(model, 0, 2 * t + j) / 2).backward()
+                opt.step()
+            side = fake.side_streams[0]
+            assert fake.host_clock.get(side.name, 0) < side.issued, "a round must be in flight for this test"
+            opt.finish()
+            assert fake.host_clock.get(side.name, 0) >= side.issued, "finish() returned before the last round ran"
+    finally:
+        acco.device_api.stream_api = acco.device_api.__dict__["_real_stream_api"]
+    assert fake.races == []

@@ -95,6 +95,11 @@ def _state_keys(opt: "AccoOptimizer"):
     return flat_keys, scalar_keys
 
 
+# Param-group keys that choose how the wrapped optimizer computes, not what: neither saved nor restored, so a
+# checkpoint taken on a GPU (capturable=True there, see _validation.device_resident_state) resumes on a CPU.
+IMPLEMENTATION_FLAGS = frozenset({"foreach", "fused", "capturable", "differentiable"})
+
+
 def _numeric_hyper(value: Any) -> Optional[torch.Tensor]:
     if isinstance(value, bool) or value is None:
         return None if value is None else torch.tensor(float(value), dtype=torch.float64)
@@ -364,7 +369,7 @@ def state_dict(opt: "AccoOptimizer", sharded: bool = False) -> Dict[str, Any]:
     }
     for gi, group in enumerate(opt.param_groups):
         for key, value in group.items():
-            t = None if key == "params" else _numeric_hyper(value)
+            t = None if key == "params" or key in IMPLEMENTATION_FLAGS else _numeric_hyper(value)
             if t is not None:
                 out["hyper"][f"{gi}.{key}"] = t
     if sharded:
@@ -471,6 +476,8 @@ def load_state_dict(opt: "AccoOptimizer", sd: Dict[str, Any], checked: bool = Fa
         opt._binding.zero_()
     for key, value in sd["hyper"].items():
         gi, name = key.split(".", 1)
+        if name in IMPLEMENTATION_FLAGS:  # how this run's optimizer computes (its device's choice), not what
+            continue
         group = opt.param_groups[int(gi)]
         group[name] = _restore_hyper(group.get(name), value)
     opt._in_accum = opt._since_handoff = opt._mb_in_update = 0

@@ -417,12 +417,12 @@ class AccoOptimizer(torch.optim.Optimizer):
         """CUDA path: read the reports of rounds the device has finished (``block``: of all of them, waiting
         for the device) and raise what the CPU path raises inside the round. Without ``block`` this never
         waits: an error surfaces at the first ``step()`` after the device has run the round."""
+        if block and self._unread:
+            self.scheduler.synchronize()  # host waits for the last round, hence for all before it (one stream)
         while self._unread:
             end, result = self._unread[0]
             if not block and not end.query():
                 return
-            if block:
-                end.synchronize()
             self._unread.popleft()
             values = result.report.tolist()
             kind = result.kind.value
@@ -640,8 +640,11 @@ class AccoOptimizer(torch.optim.Optimizer):
         self.num_rounds += 1
         if kind is RoundKind.COMMIT:
             self._commits_handed_off += 1
-        hyper_tensors = [v for g in self._update_hyper for v in g.values() if torch.is_tensor(v)]
-        self.scheduler.submit(fn, uses=self._round_tensors + hyper_tensors)
+        uses: List[torch.Tensor] = []
+        if self.scheduler.uses_streams:  # what the side stream will touch that other streams may have allocated
+            uses = self._round_tensors + [v for g in self._update_hyper for v in g.values() if torch.is_tensor(v)]
+            uses += [v for st in self.local_optimizer.state.values() for v in st.values() if torch.is_tensor(v)]
+        self.scheduler.submit(fn, uses=uses)
 
     def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
         """One optimizer update from the micro-batches' gradients since the last ``step()``.
@@ -829,8 +832,8 @@ class AccoOptimizer(torch.optim.Optimizer):
             return
         self._finished = True
         stuck = self._failed is not None
-        if not stuck and self.scheduler.uses_streams:
-            self.scheduler.synchronize()  # the last round has finished on the device before its group goes
+        if not stuck:
+            self.scheduler.synchronize()  # CUDA: the last round has finished on the device before its group goes
         self.scheduler.close(wait=False, join_timeout=0.0 if stuck else 60.0)
         if not stuck and not self.scheduler.worker_alive():
             self._release_round_group()
