@@ -9,9 +9,11 @@ back into the same buffer. Nothing here knows about threads or streams: the
 Two kinds of round (``algorithm.md``):
 
 * ``COMMIT``   ``theta <- Opt(theta, g)``: master weights and optimizer state move.
-* ``ESTIMATE`` ``theta~ = Opt*(theta, g)``: the same step on scratch; the master
-  weights and the optimizer state are restored afterwards, so only the
-  all-gathered weights (the estimate) leave the round.
+* ``ESTIMATE`` ``theta~ = Opt*(theta, g)``: the same step, computed into the
+  all-gather's input without touching the master weights or the optimizer
+  state (``functional.py``: Adam, AdamW, SGD); for other optimizers the real
+  step on a snapshot, restored afterwards. Only the all-gathered weights (the
+  estimate) leave the round.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from . import functional
 from .collectives import all_gather_flat, all_reduce_sum, reduce_scatter_flat
 
 __all__ = [
@@ -85,6 +88,7 @@ class ShardBuffers:
     rows: Optional[torch.Tensor] = None
     staging: Optional[torch.Tensor] = None
     grad_staging: Optional[torch.Tensor] = None
+    estimate: Optional[torch.Tensor] = None  # Opt*'s output when it has no staging slice to go to (made once)
     collectives: str = "native"  # or "ring": the reduce-scatter and all-gather (collectives.ring_algorithm)
     host_empty: Any = None  # (shape, dtype) -> a host tensor the device writes without blocking (device checks)
 
@@ -319,7 +323,17 @@ def run_round(
     for group_state, hyper in zip(optimizer.param_groups, hyperparams):
         group_state.update(hyper)
 
-    estimate = kind is RoundKind.ESTIMATE and not skipped
+    if kind is RoundKind.ESTIMATE and not skipped and functional.supports(optimizer):
+        # Opt* computed into the all-gather's input; theta and the state are only read.
+        if b.staging is None and b.estimate is None:
+            b.estimate = torch.empty_like(b.master)
+        out = b.staging if b.staging is not None else b.estimate
+        functional.estimate_into(out, optimizer, params, b.master)
+        if undo is not None:  # a non-finite gradient: the estimate is theta itself
+            out.copy_(torch.where(undo, b.master.to(out.dtype), out))
+        all_gather_flat(b.weights, out, group, b.collectives)  # every rank's estimate slice -> full weights
+        return RoundResult(kind, local_microbatches, b.count, b.rank_counts, norm, skipped, report)
+    estimate = kind is RoundKind.ESTIMATE and not skipped  # another optimizer: its own step, on a snapshot
     if estimate or undo is not None:
         assert snapshot is not None
         snapshot.save(optimizer, params, b.master)

@@ -1,0 +1,66 @@
+"""Opt* without a snapshot (acco.functional) against the optimizer's own step, on random shapes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from acco import functional
+
+CASES = [
+    ("adamw", torch.optim.AdamW, dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)),
+    ("adamw-no-decay", torch.optim.AdamW, dict(lr=3e-3, weight_decay=0.0, eps=1e-6)),
+    ("adamw-fused", torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1, fused=True)),
+    ("adam-l2", torch.optim.Adam, dict(lr=1e-2, weight_decay=0.05)),
+    ("sgd", torch.optim.SGD, dict(lr=0.1)),
+    ("sgd-momentum", torch.optim.SGD, dict(lr=0.1, momentum=0.9, weight_decay=0.01)),
+    ("sgd-nesterov", torch.optim.SGD, dict(lr=0.1, momentum=0.9, nesterov=True)),
+    ("sgd-dampening", torch.optim.SGD, dict(lr=0.1, momentum=0.8, dampening=0.3)),
+]
+
+
+def _setup(cls, kw, seed, chunk):
+    g = torch.Generator().manual_seed(seed)
+    shapes = [tuple(int(x) for x in torch.randint(1, 9, (int(torch.randint(1, 4, (1,), generator=g)),), generator=g))
+              for _ in range(4)]
+    n = sum(torch.Size(s).numel() for s in shapes)
+    master = torch.randn(n + 3, generator=g)  # 3 elements of padding after the pieces
+    grad = torch.randn(n + 3, generator=g)
+    pieces, lo = [], 0
+    for s in shapes:
+        k = torch.Size(s).numel()
+        p = master[lo : lo + k].view(s)
+        p.grad = grad[lo : lo + k].view(s)
+        pieces.append(p)
+        lo += k
+    return master, grad, pieces, cls([{"params": pieces[:2]}, {"params": pieces[2:], "lr": kw["lr"] / 2}], **kw)
+
+
+@pytest.mark.parametrize("name,cls,kw", CASES, ids=[c[0] for c in CASES])
+@pytest.mark.parametrize("steps_before", [0, 3])
+def test_estimate_equals_the_optimizers_step_and_changes_nothing(name, cls, kw, steps_before, monkeypatch):
+    monkeypatch.setattr(functional, "CHUNK", 5)  # several chunks per piece
+    for seed in range(3):
+        master, grad, pieces, opt = _setup(cls, kw, seed, 5)
+        for _ in range(steps_before):  # some state
+            opt.step()
+            grad.mul_(0.7).add_(0.1)
+        assert functional.supports(opt)
+        before_master = master.clone()
+        before_state = {id(p): {k: (v.clone() if torch.is_tensor(v) else v) for k, v in opt.state[p].items()}
+                        for p in pieces}
+        out = torch.full_like(master, float("nan"))
+        functional.estimate_into(out, opt, pieces, master)
+        assert torch.equal(master, before_master), "theta must not move"
+        for p in pieces:
+            for k, v in before_state[id(p)].items():
+                assert torch.equal(opt.state[p][k], v) if torch.is_tensor(v) else opt.state[p][k] == v
+        opt.step()  # the real step: what the estimate must equal
+        assert torch.allclose(out, master, rtol=1e-6, atol=1e-7), (out - master).abs().max()
+
+
+@pytest.mark.parametrize("cls,kw", [(torch.optim.AdamW, dict(amsgrad=True)), (torch.optim.Adam, dict(maximize=True)),
+                                    (torch.optim.RMSprop, {}), (torch.optim.AdamW, dict(lr=torch.tensor(1e-3)))])
+def test_unsupported_optimizers_keep_the_snapshot_path(cls, kw):
+    p = torch.nn.Parameter(torch.ones(3))
+    assert not functional.supports(cls([p], **kw))
