@@ -223,15 +223,14 @@ class AccoOptimizer(torch.optim.Optimizer):
         else:
             self._round_group = None
 
-        # fp32 master slice, from the parameters before any cast to compute_dtype.
-        lo, hi = self.layout.shard_range(self.rank)
+        # fp32 master slice, from the parameters before any cast to compute_dtype: each piece copied
+        # straight from its parameter (no full-size temporary).
         master = torch.zeros(self.layout.shard_size, dtype=master_dtype, device=device)
-        flat_params = torch.zeros(self.layout.padded_numel, dtype=master_dtype, device=device)
         with torch.no_grad():
-            for v, p in zip(self.layout.views(flat_params), self._params):
-                v.copy_(p)
-            master.copy_(flat_params[lo:hi])
-            del flat_params
+            for pc in self.layout.pieces(self.rank):
+                if pc.numel:
+                    flat = self._params[pc.index].detach().reshape(-1)
+                    master[pc.local_start : pc.local_end].copy_(flat[pc.param_start : pc.param_end])
             if self.compute_dtype != param_dtype:
                 for p in self._params:
                     p.data = p.data.to(self.compute_dtype)  # once, at construction: addresses fixed from here on
