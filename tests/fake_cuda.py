@@ -16,7 +16,8 @@ the collectives:
   (an op is ordered after another stream's op only through an event it waited
   for, or a host synchronisation). Any access not ordered after the other
   stream's last conflicting access is a race.
-* **Host synchronisations** (``.item()``, ``bool(t)``, ``.tolist()`` of device
+* **Host synchronisations** (``.item()``, ``bool(t)``, ``.tolist()``, ``.cpu()``,
+  ``.numpy()``, ``torch.equal``, data-dependent shapes (``nonzero``, ...) of device
   memory, ``Event``/``Stream.synchronize``) are recorded; a test forbids them
   where the library must not block (``forbid_syncs``).
 * ``record_stream`` calls are recorded: a storage the side stream uses that
@@ -32,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import traceback
+import weakref
 from collections import deque
 from typing import Any, Dict, List, Optional
 
@@ -42,6 +44,11 @@ from torch.utils._pytree import tree_flatten, tree_map, tree_unflatten
 _LAYER: Optional["FakeCuda"] = None
 
 _HOST_READS = {torch.ops.aten._local_scalar_dense.default}
+# Tensor methods that read values on the host without going through the dispatcher on CPU tensors.
+_HOST_METHODS = ("tolist", "numpy", "cpu")
+# Ops whose result (a Python value, or a shape) depends on the values: the host must wait for them.
+_DATA_DEPENDENT = {"equal", "nonzero", "masked_select", "is_nonzero", "unique", "_unique", "_unique2",
+                   "unique_consecutive", "unique_dim", "argwhere", "nonzero_static", "repeat_interleave"}
 # c10d ops' schemas carry no alias information: (written args, read args) by argument name.
 _C10D = {
     "allreduce_": (("tensors",), ("tensors",)),
@@ -166,6 +173,7 @@ class FakeCuda(TorchDispatchMode):
         self.reads: Dict[int, Dict[str, int]] = {}  # storage -> {stream name: op number} since the last write
         self.owner: Dict[int, str] = {}  # storage -> stream that allocated it
         self.shapes: Dict[int, tuple] = {}  # storage -> (shape, dtype) of the tensor allocated with it
+        self.owner_ref: Dict[int, Any] = {}  # storage -> weak reference to the tensor allocated with it
         self.host_storages: set = set()  # storages of host_empty tensors (pinned host memory)
         self.recorded: Dict[int, set] = {}  # storage -> streams it was record_stream-ed on
         self.side_touched: Dict[int, str] = {}  # storage -> the side stream that used it
@@ -238,14 +246,20 @@ class FakeCuda(TorchDispatchMode):
         global _LAYER
         assert _LAYER is None, "one FakeCuda at a time"
         _LAYER = self
-        self._tolist = torch.Tensor.tolist
         layer = self
+        self._patched = {name: getattr(torch.Tensor, name) for name in _HOST_METHODS}
 
-        def tolist(t: torch.Tensor) -> Any:  # not dispatched on CPU: treat as a host read
-            layer._host_read(t, "tolist")
-            return layer._tolist(t)
+        def host_method(name: str):
+            real = self._patched[name]
 
-        torch.Tensor.tolist = tolist
+            def method(t: torch.Tensor, *args: Any, **kwargs: Any) -> Any:  # not dispatched on CPU: a host read
+                layer._host_read(t, name)
+                return real(t, *args, **kwargs)
+
+            return method
+
+        for name in _HOST_METHODS:
+            setattr(torch.Tensor, name, host_method(name))
         return super().__enter__()
 
     def __exit__(self, *exc: Any) -> None:
@@ -253,7 +267,8 @@ class FakeCuda(TorchDispatchMode):
         try:
             super().__exit__(*exc)
         finally:
-            torch.Tensor.tolist = self._tolist
+            for name, real in self._patched.items():
+                setattr(torch.Tensor, name, real)
             _LAYER = None
 
     @contextlib.contextmanager
@@ -263,6 +278,12 @@ class FakeCuda(TorchDispatchMode):
             yield
         finally:
             self._forbid -= 1
+
+    def _known(self, k: int) -> bool:
+        """Whether the memory at ``k`` was allocated by an op this device saw and its tensor is still alive
+        (Python numbers become 0-dim CPU tensors behind the dispatcher's back, at addresses freed earlier)."""
+        ref = self.owner_ref.get(k)
+        return ref is not None and ref() is not None
 
     def _unrecorded(self, k: int) -> Optional[str]:
         side = self.side_touched.get(k)
@@ -372,7 +393,7 @@ class FakeCuda(TorchDispatchMode):
             k = _key(t)
             if k is not None:
                 self.reads.setdefault(k, {})[stream.name] = n
-                if not stream.eager and t.dim() > 0:  # 0-dim: Python numbers, passed to kernels by value
+                if not stream.eager and (t.dim() > 0 or self._known(k)):  # unknown 0-dim: a Python number
                     self.side_touched[k] = stream.name
                     self.side_ops[k] = (str(what), tuple(t.shape))
         for t in writes:
@@ -390,6 +411,7 @@ class FakeCuda(TorchDispatchMode):
                 self.last_write[k] = (stream.name, n)
                 self.reads[k] = {}
                 self.owner[k] = stream.name
+                self.owner_ref[k] = weakref.ref(t)
                 self.shapes[k] = (tuple(t.shape), t.dtype)
 
     # ------------------------------------------------------------ the dispatch mode
@@ -399,6 +421,10 @@ class FakeCuda(TorchDispatchMode):
         stream = self._op_stream()
         if func in _HOST_READS:
             self._host_read(args[0], str(func))
+            return func(*args, **kwargs)
+        if func._opname in _DATA_DEPENDENT:
+            for t in _tensors((args, kwargs)):
+                self._host_read(t, str(func))
             return func(*args, **kwargs)
         schema = func._schema
         inputs = _tensors((args, kwargs))

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from _dist import run_ranks
-from tinynet import flat, loss_fn, make_model
+from tinynet import flat, loss_fn, make_model, record_round_lrs
 
 import acco
 from acco import AccoOptimizer
@@ -138,13 +138,13 @@ def test_more_microbatches_than_declared_raise_and_fewer_are_a_short_update():
         opt.step()
 
 
-def test_lr_scheduler_stepped_after_step_counts_updates():
+def test_lr_scheduler_stepped_after_step_counts_updates(monkeypatch):
     """Check that a scheduler stepped after every step() moves once per update, and rounds use its rate."""
     model = make_model()
     opt = AccoOptimizer(model.parameters(), **KW)
     sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0 / (1 + t))
     used = []
-    opt.local_optimizer.register_step_pre_hook(lambda o, *_: used.append(o.param_groups[0]["lr"]))
+    record_round_lrs(opt, used, monkeypatch)
     for t in range(4):
         for j in range(2):
             loss_fn(model, 0, 2 * t + j).backward()
@@ -309,13 +309,12 @@ def _ddp_worker(rank: int, world: int) -> dict:
     # torch DDP + AdamW: the reference (it broadcasts rank 0's buffers at every forward)
     ref = DDP(BNNet())
     out["ddp_allreduces"] = _profiled_updates(ref, torch.optim.AdamW(ref.parameters(), **KW), rank)
-    # DDP-wrapped, all-reduce not switched off: refused at the first step
+    # DDP-wrapped, all-reduce not switched off: refused at the end of the first backward, before any round
     model = BNNet()
     opt = AccoOptimizer(model.parameters(), mode="sync", buffers=model.buffers(), **KW)
     wrapped = DDP(model)
-    _bn_loss(wrapped, rank, 0).backward()
     try:
-        opt.step()
+        _bn_loss(wrapped, rank, 0).backward()
         out["refused"] = None
     except RuntimeError as exc:
         out["refused"] = str(exc)

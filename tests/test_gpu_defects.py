@@ -106,7 +106,7 @@ def test_bf16_gradients_are_accumulated_in_fp32():
 
 
 def test_fp32_accumulation_keeps_the_grad_contract():
-    """With bf16 compute and fp32 accumulation, .grad is a bf16 buffer holding the last backward's gradient;
+    """With bf16 compute and fp32 accumulation, .grad is a bf16 buffer that autograd sums into as usual;
     changing it in place before step() still raises, and zero_grad() discards the update."""
     model = make_model().bfloat16()
     opt = AccoOptimizer(model.parameters(), mode="sync", lr=1e-2, microbatches_per_update=2)
@@ -114,7 +114,7 @@ def test_fp32_accumulation_keeps_the_grad_contract():
     model(x).sum().backward()
     first = [p.grad.clone() for p in model.parameters()]
     model(x).sum().backward()
-    assert all(torch.equal(p.grad, g) for p, g in zip(model.parameters(), first)), ".grad: this backward's only"
+    assert all(torch.equal(p.grad, 2 * g) for p, g in zip(model.parameters(), first)), ".grad: the sum, as torch's"
     assert all(p.grad.dtype == torch.bfloat16 for p in model.parameters())
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
     with pytest.raises(RuntimeError, match="modified in place"):
@@ -123,6 +123,69 @@ def test_fp32_accumulation_keeps_the_grad_contract():
     assert opt._accum.abs().sum() == 0
     opt._failed = None
     opt.finish()
+
+
+@pytest.mark.parametrize("discard", ["p.grad = None", "model.zero_grad()"])
+def test_fp32_accumulation_discards_like_torch(discard):
+    """Setting .grad to None between backward passes discards the earlier ones, with fp32 accumulation exactly
+    as with the accumulation buffer bound to .grad: the update is the later backward's gradient only."""
+    torch.manual_seed(0)
+    x0, x1 = torch.randn(4, 5).bfloat16(), torch.randn(4, 5).bfloat16()
+    moves = {}
+    for accumulation in (None, torch.bfloat16):
+        model = make_model().bfloat16()
+        opt = AccoOptimizer(model.parameters(), torch.optim.SGD, mode="sync", lr=1.0, microbatches_per_update=2,
+                            accumulation_dtype=accumulation)
+        before = opt.state_dict()["master"].clone()
+        model(x0).sum().backward()
+        if discard == "p.grad = None":
+            for p in model.parameters():
+                p.grad = None
+        else:
+            model.zero_grad()
+        model(x1).sum().backward()
+        opt.step()
+        moves[accumulation] = before - opt.state_dict()["master"]
+        opt.finish()
+    reference = make_model().bfloat16()
+    reference(x1).sum().backward()
+    want = torch.cat([p.grad.float().flatten() for p in reference.parameters()])
+    for got in moves.values():
+        assert torch.allclose(got[: want.numel()], want, rtol=1e-2, atol=1e-2), (got[: want.numel()] - want).abs().max()
+
+
+def _ddp_bucket_view_worker(rank, world):
+    from torch.nn.parallel import DistributedDataParallel
+
+    import acco
+
+    out = {}
+    ddp = DistributedDataParallel(make_model(), gradient_as_bucket_view=True)
+    try:
+        acco.disable_gradient_allreduce(ddp)
+    except ValueError as exc:
+        out["disable"] = str(exc)
+    opt = AccoOptimizer(ddp.parameters(), mode="sync", lr=1e-2, microbatches_per_update=1)
+    try:
+        loss_fn(ddp, rank, 0).backward()
+    except ValueError as exc:
+        out["backward"] = str(exc)
+    opt._failed = RuntimeError("test")  # finish() without the collective
+    try:
+        opt.finish()
+    except RuntimeError:
+        pass
+    return out
+
+
+def test_ddp_with_gradient_as_bucket_view_is_refused():
+    """DDP(gradient_as_bucket_view=True) would make p.grad its own bucket: refused, by the helper and by the
+    optimizer at the first backward (before any round)."""
+    from _dist import run_ranks
+
+    (out,) = run_ranks(_ddp_bucket_view_worker, 1)
+    assert "gradient_as_bucket_view=False" in out["disable"]
+    assert "gradient_as_bucket_view=False" in out["backward"]
 
 
 class _Event:
@@ -156,6 +219,7 @@ def test_cuda_step_counters_live_on_the_device():
     cuda = torch.device("cuda", 0)
     assert device_resident_state(torch.optim.AdamW, {"lr": 1.0}, cuda) == {"lr": 1.0, "capturable": True}
     assert device_resident_state(torch.optim.AdamW, {"fused": True}, cuda) == {"fused": True}
+    assert device_resident_state(torch.optim.AdamW, {"fused": False}, cuda) == {"fused": False, "capturable": True}
     assert device_resident_state(torch.optim.AdamW, {"capturable": False}, cuda) == {"capturable": False}
     assert device_resident_state(torch.optim.Adagrad, {}, cuda) == {}
     assert device_resident_state(torch.optim.SGD, {}, cuda) == {}

@@ -33,14 +33,16 @@ OPTIMIZERS = {
     "sgd": (torch.optim.SGD, dict(lr=5e-2, momentum=0.9, weight_decay=0.01)),
     "adamw": (torch.optim.AdamW, dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)),
     "adamw_fused": (torch.optim.AdamW, dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, fused=True)),
+    "sgd_plain": (torch.optim.SGD, dict(lr=5e-2)),  # keeps no state at all
 }
 # On a real GPU, plain AdamW's step counter is made a device tensor (capturable=True, which the CPU
 # lacks); here it stays a CPU-side count whose .item() the fake device sees as a sync.
-SYNC_FREE = {"sgd", "adamw_fused"}
+SYNC_FREE = {"sgd", "adamw_fused", "sgd_plain"}
 # (name, optimizer, mode, micro-batches per update, model's fake device, current fake device)
 CONFIGS = [(f"{o}/{mode}", o, mode, 2, 0, 0) for o in ("sgd", "adamw") for mode in ("acco", "dpu", "sync")]
 CONFIGS += [
     ("adamw_fused/acco", "adamw_fused", "acco", 2, 0, 0),
+    ("sgd_plain/dpu", "sgd_plain", "dpu", 2, 0, 0),
     ("sgd/acco/m3", "sgd", "acco", 3, 0, 0),
     # model.to("cuda:1") without torch.cuda.set_device(1): events must be on the parameters' device
     ("sgd/acco/model-on-device-1", "sgd", "acco", 2, 1, 0),
@@ -233,6 +235,7 @@ def test_device_decided_errors_surface_at_a_later_step_on_every_rank(case, error
     every rank, so both ranks raise in the same update here."""
     results = [r[case] for r in _fault_results()]
     assert [r["error"] for r in results] == [error, error]
+    assert all(torch.isfinite(r["final"]).all() for r in results), "the bad step must have been undone on the device"
     assert results[0]["raised_at"] == results[1]["raised_at"] >= 2
     assert all(r["races"] == [] for r in results)
 

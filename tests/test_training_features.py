@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from _dist import run_ranks
-from tinynet import flat, loss_fn, make_model, rel_err
+from tinynet import flat, loss_fn, make_model, record_round_lrs, rel_err
 
 from acco import AccoOptimizer, NonFiniteGradientError
 
@@ -89,7 +89,7 @@ def _schedulers():
 
 @pytest.mark.parametrize("name", sorted(_schedulers()))
 @pytest.mark.parametrize("mode", ["acco", "sync"])
-def test_lr_each_round_uses_is_the_schedule_per_committed_update(name, mode):
+def test_lr_each_round_uses_is_the_schedule_per_committed_update(name, mode, monkeypatch):
     """Check that an attached scheduler counts committed updates: both rounds of an update use its LR."""
     make = _schedulers()[name]
     updates = 6
@@ -106,7 +106,7 @@ def test_lr_each_round_uses_is_the_schedule_per_committed_update(name, mode):
     opt = AccoOptimizer(model.parameters(), mode=mode, accumulate_while_communicating=True, max_microbatches=1, **KW)
     opt.attach_lr_scheduler(make(opt))
     used = []
-    opt.local_optimizer.register_step_pre_hook(lambda o, *_: used.append(o.param_groups[0]["lr"]))
+    record_round_lrs(opt, used, monkeypatch)
     per_update = 2 if mode == "acco" else 1
     for i in range(updates * per_update):
         loss_fn(model, 0, i).backward()

@@ -63,3 +63,18 @@ def flat_list(ts: List[torch.Tensor]) -> torch.Tensor:
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
     """Largest element-wise error relative to the reference's scale."""
     return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
+
+
+def record_round_lrs(opt, used: List[float], monkeypatch) -> None:
+    """Append the learning rate every round of ``opt`` uses to ``used``: commits through the wrapped optimizer's
+    step(), estimates through acco.functional (Opt* computed without a step() for Adam, AdamW and SGD)."""
+    from acco import functional
+
+    opt.local_optimizer.register_step_pre_hook(lambda o, *_: used.append(o.param_groups[0]["lr"]))
+    real = functional.estimate_into
+
+    def estimate_into(out, optimizer, *args):
+        used.append(optimizer.param_groups[0]["lr"])
+        return real(out, optimizer, *args)
+
+    monkeypatch.setattr(functional, "estimate_into", estimate_into)

@@ -194,11 +194,11 @@ def device_resident_state(optimizer_class: type, kwargs: Dict[str, Any], device:
 
     The same arithmetic; what changes is that a round can undo a step skipped
     for a non-finite gradient on the device (``torch.where``), with no host
-    synchronisation. Left alone where the user chose (``fused``/``capturable``
-    given) or the class has no such option (Adagrad: its rounds then decide a
-    skip on the host, one sync per round).
+    synchronisation. Left alone where the user chose (``fused=True``, or
+    ``capturable`` given) or the class has no such option (Adagrad: its rounds
+    then decide a skip on the host, one sync per round).
     """
-    if torch.device(device).type != "cuda" or {"fused", "capturable"} & set(kwargs):
+    if torch.device(device).type != "cuda" or kwargs.get("fused") or "capturable" in kwargs:
         return kwargs
     try:
         accepts = "capturable" in inspect.signature(optimizer_class.__init__).parameters

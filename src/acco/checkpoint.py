@@ -37,7 +37,7 @@ import hashlib
 import logging
 import os
 import shutil
-from typing import TYPE_CHECKING, Any, Dict, Optional
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 import torch
 import torch.distributed as dist
@@ -362,7 +362,7 @@ def state_dict(opt: "AccoOptimizer", sharded: bool = False) -> Dict[str, Any]:
         "params": wrap(_param_slice(opt).clone()),
         "state": {k: wrap(_local_state(opt, k).clone()) for k in flat_keys},
         "scalars": {
-            k: torch.tensor([float(state[p][k]) for p in opt._pieces], dtype=torch.float64) for k in scalar_keys
+            k: _scalars([state[p][k] for p in opt._pieces]) for k in scalar_keys
         },
         "hyper": {},
         "counters": torch.tensor(counters, dtype=torch.int64),
@@ -391,6 +391,14 @@ def scalar_state(key: str, value: float, piece: torch.Tensor, group: Dict[str, A
         on_device = group.get("fused") or group.get("capturable")
         return torch.tensor(value, dtype=torch.float32, device=piece.device if on_device else "cpu")
     return torch.tensor(value, dtype=piece.dtype, device=piece.device)
+
+
+def _scalars(values: List[Any]) -> torch.Tensor:
+    """Per-parameter scalars as one CPU float64 tensor: one device read, not one per parameter."""
+    tensors = [v for v in values if torch.is_tensor(v)]
+    if len(tensors) == len(values) and len({t.device for t in tensors}) == 1:
+        return torch.stack([t.reshape(()).to(torch.float64) for t in tensors]).cpu()
+    return torch.tensor([float(v) for v in values], dtype=torch.float64)
 
 
 def _template(opt: "AccoOptimizer", flat_keys, scalar_keys, hyper_keys, meta_keys) -> Dict[str, Any]:

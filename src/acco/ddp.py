@@ -40,9 +40,22 @@ def disable_gradient_allreduce(model: torch.nn.Module) -> torch.nn.Module:
     ddp = _unwrap_ddp(model)
     if ddp is None:
         return model
+    _refuse_bucket_views(ddp)
     if not _allreduce_disabled(ddp):
         ddp.register_comm_hook(state=None, hook=_no_allreduce)
     return model
+
+
+_BUCKET_VIEW_FIX = (
+    "DistributedDataParallel(gradient_as_bucket_view=True) makes p.grad a view of DDP's own bucket, taking it "
+    "away from the buffer AccoOptimizer sums gradients in: wrap with gradient_as_bucket_view=False (the default; "
+    "DDP then communicates nothing anyway after acco.disable_gradient_allreduce), or do not wrap the model"
+)
+
+
+def _refuse_bucket_views(ddp: DistributedDataParallel) -> None:
+    if getattr(ddp, "gradient_as_bucket_view", False):
+        raise ValueError(_BUCKET_VIEW_FIX)
 
 
 def _unwrap_ddp(model: torch.nn.Module):
@@ -74,6 +87,7 @@ def ddp_wrappers_of(params: Iterable[torch.Tensor]) -> List[DistributedDataParal
 def check_not_reducing_twice(params: Iterable[torch.Tensor]) -> None:
     """Raise if a DDP wrapper all-reduces these parameters' gradients (AccoOptimizer does). Scans the heap once."""
     for ddp in ddp_wrappers_of(params):
+        _refuse_bucket_views(ddp)
         if not _allreduce_disabled(ddp):
             raise RuntimeError(
                 "AccoOptimizer: the model is wrapped in DistributedDataParallel, whose all-reduce would communicate "

@@ -83,6 +83,11 @@ class GradBinding:
         self.params[i].grad = view
         return view
 
+    def holds(self, i: int) -> bool:
+        """Whether ``p.grad`` of parameter ``i`` is still the buffer's view (not None, not another tensor)."""
+        g = self.params[i].grad
+        return g is not None and not g.is_sparse and g.data_ptr() == self._ptrs[i]
+
     def mark_backward_end(self) -> None:
         self._version = self.buffer._version
 

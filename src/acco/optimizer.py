@@ -131,12 +131,13 @@ class AccoOptimizer(torch.optim.Optimizer):
             (``None``: no bound).
         compute_dtype: dtype of the model's parameters (the compute copy), e.g.
             ``torch.bfloat16``; the sharded master stays fp32. ``None``: keep.
-        accumulation_dtype: dtype the micro-batches' gradients are summed in
-            (``None``: fp32 when the compute dtype is bfloat16, as Megatron
-            does, else the compute dtype). When it differs from the compute
-            dtype, ``.grad`` is a compute-dtype buffer of its own holding the
-            last backward's gradient, folded into the sum as each parameter's
-            gradient arrives (one more compute-dtype copy of the model).
+        accumulation_dtype: dtype the micro-batches' gradients are summed in,
+            over micro-batches and over ranks (``None``: fp32 when the compute
+            dtype is bfloat16, as Megatron does, else the compute dtype). When
+            it differs from the compute dtype, each parameter's gradient is
+            added into the sum as it arrives, and ``.grad`` is a compute-dtype
+            buffer of its own that autograd sums into as usual (one more
+            compute-dtype copy of the model; the update does not read it).
         max_grad_norm: clip the global L2 norm of the averaged gradient to
             this, as ``clip_grad_norm_`` on DDP's all-reduced gradient would.
             (Clipping ``.grad`` yourself raises: it is the local gradient here.)
@@ -322,6 +323,7 @@ class AccoOptimizer(torch.optim.Optimizer):
         self.num_skipped_updates = 0
         self._last_grad_norm: Optional[torch.Tensor] = None
         self._history: "deque[RoundRecord]" = deque(maxlen=self.HISTORY_LIMIT)
+        self._settled = 0  # records before this index hold no events (a deque index: shifts when full)
         self._committed_mb = torch.zeros((), dtype=torch.float64, device=device)
         self._backward_queued = -1  # id of the autograd graph task whose end-of-backward callback is queued
         self._mb_in_update = 0  # backward() calls since the last step() (one step() per update)
@@ -332,7 +334,7 @@ class AccoOptimizer(torch.optim.Optimizer):
         self._hook_handles = [
             p.register_post_accumulate_grad_hook(partial(_after_accumulate, self_ref, i)) for i, p in enumerate(self._params)
         ]
-        if self._fold_on_arrival:  # .grad holds one backward's gradient: zero it before autograd adds to it
+        if self._fold_on_arrival:  # each backward's gradient is summed in accumulation_dtype as it arrives
             self._hook_handles += [p.register_hook(partial(_before_accumulate, self_ref, i)) for i, p in enumerate(self._params)]
         _LIVE.add(self)  # closed at interpreter exit if finish() never came
 
@@ -490,9 +492,6 @@ class AccoOptimizer(torch.optim.Optimizer):
         self._at_boundary = False
         if self.accumulate_while_communicating:
             return
-        if self._fold_on_arrival:
-            with torch.no_grad():
-                self._accum_views[index].add_(self._binding.views[index])  # summed in accumulation_dtype
         task = torch._C._current_graph_task_id()
         if task != self._backward_queued:
             _refuse_reentrant_backward()
@@ -508,6 +507,7 @@ class AccoOptimizer(torch.optim.Optimizer):
     def _after_backward(self) -> None:
         """A micro-batch's backward has finished (one step() per update). In mode acco, the backward that
         completes the first half of the update hands off the estimate round and puts theta_t in the model."""
+        self._check_ddp_once()  # before any round (an estimate may go next); DDP's own end-of-backward is done
         self._binding.mark_backward_end()
         self._mb_in_update += 1
         self._at_boundary = False
@@ -594,13 +594,15 @@ class AccoOptimizer(torch.optim.Optimizer):
             self._unread.append((self.scheduler.last_timing.end, result))
         self._last_grad_norm = result.grad_norm
         index = self._history[-1].index + 1 if self._history else 0
+        if len(self._history) == self._history.maxlen:
+            self._settled = max(0, self._settled - 1)  # the oldest record is about to go
         self._history.append(
             RoundRecord(index, result.kind.value, result.local_microbatches, total, per_rank, self.scheduler.last_timing,
                         ready)
         )
-        if len(self._history) > self.EVENTS_KEPT:
-            # CUDA: older rounds give their events back once complete, so the history holds plain numbers.
-            self._history[-self.EVENTS_KEPT - 1].settle()
+        # CUDA: older rounds give their events back once complete, so the history holds plain numbers.
+        while self._settled < len(self._history) - self.EVENTS_KEPT and self._history[self._settled].settle():
+            self._settled += 1
         self._pending = result.kind
         return result
 
@@ -989,12 +991,17 @@ _LIVE: "weakref.WeakSet[AccoOptimizer]" = weakref.WeakSet()
 
 
 def _before_accumulate(opt_ref: "weakref.ref[AccoOptimizer]", index: int, grad: torch.Tensor) -> None:
-    """Tensor hook (before autograd adds ``grad`` into ``p.grad``) with ``accumulation_dtype`` != compute dtype:
-    the previous backward's gradient is already in the sum, so ``p.grad`` starts from zero."""
+    """Tensor hook on parameter ``index`` with ``accumulation_dtype`` != compute dtype: this backward's gradient
+    (all its uses summed), before autograd adds it into ``p.grad``, is added into the accumulation buffer.
+    ``p.grad`` itself stays what torch makes it: the compute-dtype sum (the update does not read it)."""
     opt = opt_ref()
-    if opt is not None and not opt._finished:
-        with torch.no_grad():
-            opt._binding.views[index].zero_()
+    if opt is None or opt._finished:
+        return None
+    with torch.no_grad():
+        view = opt._accum_views[index]
+        if not opt._binding.holds(index):  # the user set p.grad to None (or another tensor): discarded, as torch does
+            view.zero_()
+        view.add_(grad.to_dense() if grad.is_sparse else grad)
     return None
 
 

@@ -102,6 +102,7 @@ class OptimizerSnapshot:
     """
 
     def __init__(self) -> None:
+        self.stepped = False  # a step has been applied to the optimizer (set by run_round)
         self._master: Optional[torch.Tensor] = None
         self._state: Dict[int, Dict[str, Any]] = {}
         self._had_state: Dict[int, bool] = {}
@@ -134,14 +135,17 @@ class OptimizerSnapshot:
         out = [] if self._master is None else [self._master]
         return out + [v for st in self._state.values() for v in st.values() if torch.is_tensor(v)]
 
-    @staticmethod
-    def restorable_on_device(optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], master: torch.Tensor) -> bool:
-        """Whether :meth:`restore_where` can undo a step without the host: every piece has state, and all of
-        it is tensors on the master's device (not so before the first step, or for a step counter on the CPU)."""
+    def restorable_on_device(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], master: torch.Tensor) -> bool:
+        """Whether :meth:`restore_where` can undo a step without the host: all the state is tensors on the
+        master's device, and a piece without state is one the optimizer keeps none for (``stepped``: a step has
+        been applied since, e.g. SGD without momentum). Not so before the first step (it creates state that
+        would have to be dropped), or for a step counter on the CPU."""
         for p in params:
             state = optimizer.state.get(p)
             if not state:
-                return False
+                if not self.stepped:
+                    return False
+                continue
             for value in state.values():
                 if not torch.is_tensor(value) or value.device != master.device:
                     return False
@@ -155,11 +159,13 @@ class OptimizerSnapshot:
         Needs :meth:`restorable_on_device` to have held at :meth:`save`.
         """
         assert self._master is not None, "restore_where() without save()"
-        master.copy_(torch.where(undo, self._master, master))
+        torch.where(undo, self._master, master, out=master)
         for i, p in enumerate(params):
+            if not self._had_state[i]:
+                continue  # a piece the optimizer keeps no state for
             state, saved = optimizer.state[p], self._state[i]
             for key, value in saved.items():
-                state[key].copy_(torch.where(undo.to(value.device), value, state[key]))
+                torch.where(undo.to(value.device), value, state[key], out=state[key])
 
     def restore(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], master: torch.Tensor) -> None:
         assert self._master is not None, "restore() without save()"
@@ -297,8 +303,12 @@ def run_round(
         b.grad.mul_(grad_scale)
     norm = global_grad_norm(b.grad, group)  # one all-reduce of a scalar
 
+    for group_state, hyper in zip(optimizer.param_groups, hyperparams):
+        group_state.update(hyper)
+    functional_estimate = kind is RoundKind.ESTIMATE and functional.supports(optimizer)
+
     report = None
-    undo: Optional[torch.Tensor] = None  # device flag: put theta and the state back after the step
+    undo: Optional[torch.Tensor] = None  # device flag: as if no step (theta, the state and the estimate)
     if device_checks:
         # Everything the CPU path checks on the host, as device flags, copied to the host without
         # blocking; the optimizer reads them once this round's end event has completed.
@@ -308,11 +318,14 @@ def run_round(
         report = b.host_empty(values.shape, values.dtype)  # pinned on CUDA
         report.copy_(values, non_blocking=True)
         skipped: Optional[bool] = None
-        if nonfinite == "skip":
-            if snapshot is not None and OptimizerSnapshot.restorable_on_device(optimizer, params, b.master):
-                undo = nonfinite_flag
-            else:  # no state yet (the first step), or a step counter on the CPU: the host decides, once
-                skipped = bool(nonfinite_flag)
+        # A non-finite gradient is undone on the device under both policies ("raise" then raises from the
+        # report, with theta and the state untouched, as on the CPU path).
+        if functional_estimate or (snapshot is not None and snapshot.restorable_on_device(optimizer, params, b.master)):
+            undo = nonfinite_flag
+        else:  # the first step (it creates state), or a step counter on the CPU: the host decides
+            skipped = bool(nonfinite_flag)
+            if skipped and nonfinite == "raise":
+                raise NonFiniteGradientError(nonfinite_message(kind.value, float(norm)))
     else:
         skipped = not bool(torch.isfinite(norm))  # a host sync, on the round's own thread
         if skipped and nonfinite == "raise":
@@ -320,10 +333,7 @@ def run_round(
     if max_grad_norm is not None and not skipped:
         b.grad.mul_(clip_coefficient(norm, max_grad_norm).to(b.grad.dtype))
 
-    for group_state, hyper in zip(optimizer.param_groups, hyperparams):
-        group_state.update(hyper)
-
-    if kind is RoundKind.ESTIMATE and not skipped and functional.supports(optimizer):
+    if functional_estimate and not skipped:
         # Opt* computed into the all-gather's input; theta and the state are only read.
         if b.staging is None and b.estimate is None:
             b.estimate = torch.empty_like(b.master)
@@ -339,6 +349,8 @@ def run_round(
         snapshot.save(optimizer, params, b.master)
     if not skipped:
         optimizer.step()
+        if snapshot is not None and not estimate:
+            snapshot.stepped = True  # the optimizer's state exists now, for every piece that keeps one
     if undo is not None:
         snapshot.restore_where(undo, optimizer, params, b.master)  # a non-finite gradient: as if no step
     if b.staging is None:

@@ -206,7 +206,9 @@ class StreamScheduler:
             # Hand-off 3. Allocator: memory the side stream uses is not reused before the side stream
             # has finished the work queued when it is freed (even if the optimizer is dropped mid-round).
             api.record_stream(tensor, side)
-        with api.stream(side):  # the round's kernels and collectives go to the side stream (and its device)
+        with api.stream(side), torch.no_grad(), torch.autocast(self.device.type, enabled=False):
+            # The round's kernels and collectives go to the side stream (and its device); it may be issued
+            # from inside the user's autocast region or backward, whose thread-local modes must not apply.
             timing.start.record(side)  # side stream: the round begins (for round_s only)
             issued = _Issued(fn)  # issues the round from this thread and returns: no host sync inside
             timing.end.record(side)  # side stream: the round's weights are in its output buffer
