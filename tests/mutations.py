@@ -49,7 +49,7 @@ cases = [
  ("M20 the host does not wait for the last round (finish, reports)", "src/acco/scheduler.py",
   "            self._last_end.synchronize()\n", "            pass\n", "tests/test_stream_protocol.py -k finish_waits"),
  ("M21 skip decided on the host on the CUDA path", "src/acco/rounds.py",
-  "                undo = nonfinite_flag\n", "                skipped = bool(nonfinite_flag)\n", "tests/test_stream_protocol.py -k oracle"),
+  "            undo = nonfinite_flag\n", "            skipped = bool(nonfinite_flag)\n", "tests/test_stream_protocol.py -k oracle"),
  ("M22 reports read before the device wrote them", "src/acco/optimizer.py",
   "            if not block and not end.query():\n                return\n", "", "tests/test_stream_protocol.py"),
  ("M23 no start event of a round", "src/acco/scheduler.py",

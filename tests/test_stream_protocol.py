@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import os
+import threading
 
 import pytest
 import torch
@@ -84,6 +85,8 @@ def _train(name, opt_name, mode, m, model_device, current_device, rank):
                     opt.step()
                     opt.zero_grad()
                     traj.append(flat(model))  # a copy on the compute stream: needs the round's weights
+                    if t == 1:  # NCCL's rule: the CUDA path issues rounds from the caller, no thread of its own
+                        threads = [th.name for th in threading.enumerate() if th.name == "acco-round"]
             # Round records: timing events and the counts' host copies. Read mid-run in one configuration (their
             # events must be waited for); after finish() in the others, whose finish() must wait by itself.
             early = name == "sgd/acco"
@@ -101,7 +104,7 @@ def _train(name, opt_name, mode, m, model_device, current_device, rank):
         forbidden_syncs=fake.forbidden_syncs[:3], unrecorded=fake.unrecorded_side_storages()[:5],
         deferred=fake.deferred_ops, side_priority=[s.priority for s in fake.side_streams],
         side_devices=[s.device for s in fake.side_streams], destroyed_after_end=destroyed_after_end,
-        uses_streams=opt.scheduler.uses_streams, rounds=opt.num_rounds, stats=stats,
+        uses_streams=opt.scheduler.uses_streams, rounds=opt.num_rounds, stats=stats, round_threads=threads,
     )
 
 
@@ -124,6 +127,7 @@ def test_cuda_path_matches_oracle_with_no_race(world, name):
     for rank, r in enumerate(_results(world)):
         r = r[name]
         assert r["uses_streams"], "the test must run the stream path"
+        assert r["round_threads"] == [], "no worker thread issues collectives on the CUDA path"
         assert r["deferred"] > 0, "the side stream must have deferred work, or nothing was simulated"
         assert r["races"] == [], f"rank {rank}: unordered accesses: {r['races']}"
         assert r["unrecorded"] == [], f"rank {rank}: round memory not record_stream-ed: {r['unrecorded']}"
