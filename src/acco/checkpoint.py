@@ -154,12 +154,13 @@ def _local_state(opt: "AccoOptimizer", key: str) -> torch.Tensor:
     return torch.cat([state[p][key].reshape(-1) for p in opt._pieces])
 
 
-def _gather_full(opt: "AccoOptimizer", local: torch.Tensor) -> torch.Tensor:
-    """All ranks' slices end to end (length numel). Collective on the rounds' group (the user's after finish())."""
+def _gather_full(opt: "AccoOptimizer", local: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """All ranks' slices end to end (length numel), into ``out`` (padded length) if given, else a new tensor.
+    Collective on the rounds' group (the user's after finish())."""
     s = opt.layout.shard_size
     padded = torch.zeros(s, dtype=local.dtype, device=local.device)
     padded[: local.numel()] = local
-    full = torch.empty(opt.layout.padded_numel, dtype=local.dtype, device=local.device)
+    full = out if out is not None else torch.empty(opt.layout.padded_numel, dtype=local.dtype, device=local.device)
     all_gather_flat(full, padded, opt._round_group if opt._round_group is not None else opt._group)
     return full[: opt.layout.numel]
 
@@ -470,15 +471,15 @@ def load_state_dict(opt: "AccoOptimizer", sd: Dict[str, Any], checked: bool = Fa
             for key, values in sd["scalars"].items():
                 st[key] = scalar_state(key, float(values[i]), p, group_of[id(p)])
         # The model's weights: each rank has a slice; gather them whole, then the master.
-        full = _gather_full(opt, _local(sd["params"]).to(opt.compute_dtype))
+        # Gathered into the round buffer (idle between updates): no model-sized temporary.
+        full = _gather_full(opt, _local(sd["params"]).to(opt.compute_dtype), out=opt._comm_weights)
         opt.scheduler.install(opt._params, opt.layout.views(full))
         opt.num_rounds, opt.num_updates, opt.num_skipped_updates = counters[:3]
         opt._committed_mb.fill_(counters[3])
         opt._commits_handed_off, opt._holds_estimate = counters[5], bool(counters[6])
         opt.microbatches_per_update = counters[7] or opt.microbatches_per_update
         if counters[4]:  # a commit was collected at save time: its weights go in at the next hand-off
-            opt._comm_weights.zero_()
-            opt._comm_weights[: opt.layout.numel].copy_(_gather_full(opt, master[:real].to(opt.compute_dtype)))
+            _gather_full(opt, master[:real].to(opt.compute_dtype), out=opt._comm_weights)
             opt._pending = RoundKind.COMMIT
         opt._accum.zero_()
         opt._binding.zero_()
