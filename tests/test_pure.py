@@ -1,0 +1,59 @@
+"""The pure pieces, on random inputs: the flat layout's tiling and the clip coefficient."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from acco.layout import FlatLayout
+from acco.rounds import clip_coefficient
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_layout_pieces_tile_every_parameter_exactly_once(seed):
+    """On random shapes (empty parameters included) and world sizes: each rank's pieces tile its shard in order,
+    and together they cover every element of every parameter exactly once."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = [tuple(int(d) for d in torch.randint(0, 7, (int(torch.randint(0, 4, (1,), generator=g)),), generator=g))
+              for _ in range(int(torch.randint(1, 9, (1,), generator=g)))]
+    world = int(torch.randint(1, 6, (1,), generator=g))
+    layout = FlatLayout.build(shapes, world)
+    numel = sum(math.prod(s) for s in shapes)
+    assert layout.numel == numel and layout.padded_numel == layout.shard_size * world >= numel
+    covered = [torch.zeros(math.prod(s), dtype=torch.int64) for s in shapes]
+    for rank in range(world):
+        lo, hi = layout.shard_range(rank)
+        assert (lo, hi) == (rank * layout.shard_size, (rank + 1) * layout.shard_size)
+        pieces = layout.pieces(rank)
+        assert [pc.index for pc in pieces] == list(range(len(shapes))), "one piece per parameter, in order"
+        at = 0
+        for pc in pieces:
+            assert pc.numel == pc.param_end - pc.param_start == pc.local_end - pc.local_start >= 0
+            if pc.numel:
+                assert pc.local_start == at and pc.flat_start == lo + pc.local_start
+                covered[pc.index][pc.param_start : pc.param_end] += 1
+                at = pc.local_end
+        assert at == layout.real_numel(rank) <= layout.shard_size
+    assert all(bool((c == 1).all()) for c in covered)
+    flat = torch.arange(layout.padded_numel, dtype=torch.float64)
+    views = layout.views(flat)
+    assert [tuple(v.shape) for v in views] == [tuple(s) for s in shapes]
+    assert sum(v.numel() for v in views) == numel
+
+
+@pytest.mark.parametrize("max_norm", [1e-3, 0.5, 1e3])
+def test_clip_coefficient_scales_as_clip_grad_norm(max_norm):
+    """The factor a round scales the averaged gradient by is what torch.nn.utils.clip_grad_norm_ applies."""
+    g = torch.Generator().manual_seed(0)
+    grads = [torch.randn(s, generator=g, dtype=torch.float64) for s in ((3, 4), (7,), (2, 2, 2))]
+    params = [torch.nn.Parameter(torch.zeros_like(t)) for t in grads]
+    for p, t in zip(params, grads):
+        p.grad = t.clone()
+    total = torch.nn.utils.clip_grad_norm_(params, max_norm)
+    norm = torch.linalg.vector_norm(torch.cat([t.flatten() for t in grads]))
+    assert torch.allclose(total, norm)
+    coef = clip_coefficient(norm, max_norm)
+    for p, t in zip(params, grads):
+        assert torch.allclose(p.grad, t * coef, rtol=1e-12, atol=0)
