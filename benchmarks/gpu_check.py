@@ -214,17 +214,20 @@ def check_compile(width: int, layers: int, batch: int, device: str, dry: bool) -
     compiled = torch.compile(model, backend="eager" if dry else "inductor")
     opt = AccoOptimizer(model.parameters(), mode="acco", microbatches_per_update=2, lr=1e-4)
     data = batches(width, batch, device, 8)
+    def frames() -> int:
+        return sum(counters["frames"].values())
+
     train(compiled, opt, data, 1, 2)
-    after_first = sum(counters["frames"].values()), dict(counters["recompiles"]) if "recompiles" in counters else {}
+    after_first = frames()
     train(compiled, opt, data, 5, 2)
-    after_last = sum(counters["frames"].values()), dict(counters["recompiles"]) if "recompiles" in counters else {}
+    after_last = frames()
     with opt.committed_weights():
         compiled(data[0][0])
     opt.finish()
-    after_finish = sum(counters["frames"].values())
-    return {"backend": "eager" if dry else "inductor", "frames_after_first_update": after_first[0],
-            "frames_after_six_updates": after_last[0], "frames_after_committed_eval": after_finish,
-            "no_recompiles": after_first[0] == after_last[0] == after_finish}
+    after_finish = frames()
+    return {"backend": "eager" if dry else "inductor", "frames_after_first_update": after_first,
+            "frames_after_six_updates": after_last, "frames_after_committed_eval": after_finish,
+            "no_recompiles": after_first == after_last == after_finish}
 
 
 # ---------------------------------------------------------------- 5. memory

@@ -66,6 +66,13 @@ def _tensors(x: Any) -> List[torch.Tensor]:
     return [t for t in tree_flatten(x)[0] if isinstance(t, torch.Tensor)]
 
 
+def _merge(into: Dict[str, int], clock: Dict[str, int]) -> None:
+    """Vector clocks: ``into`` now also knows everything ``clock`` knows."""
+    for name, n in clock.items():
+        if into.get(name, 0) < n:
+            into[name] = n
+
+
 def _key(t: torch.Tensor) -> Optional[int]:
     if t.device.type != "cpu" or t.layout != torch.strided:
         return None
@@ -315,9 +322,7 @@ class FakeCuda(TorchDispatchMode):
     def _wait(self, stream: FakeStream, event: FakeEvent) -> None:
         if event.stream is None:
             return
-        for name, n in event.clock.items():
-            if stream.clock.get(name, 0) < n:
-                stream.clock[name] = n
+        _merge(stream.clock, event.clock)
         if event.stream is stream:
             return
         src, seq = event.stream, event.seq
@@ -334,9 +339,7 @@ class FakeCuda(TorchDispatchMode):
         stream.done = max(stream.done, upto)
 
     def _host_learns(self, clock: Dict[str, int]) -> None:
-        for name, n in clock.items():
-            if self.host_clock.get(name, 0) < n:
-                self.host_clock[name] = n
+        _merge(self.host_clock, clock)
 
     def _host_sync(self, stream: FakeStream, upto: int, what: str, clock: Optional[Dict[str, int]] = None) -> None:
         self._flush(stream, upto)
@@ -363,29 +366,23 @@ class FakeCuda(TorchDispatchMode):
         self._note_sync(f"{what} of device memory (syncs {stream.name})")
 
     def _issue_clock(self, stream: FakeStream) -> Dict[str, int]:
-        for name, n in self.host_clock.items():  # the host issues this op after what it waited for
-            if stream.clock.get(name, 0) < n:
-                stream.clock[name] = n
+        _merge(stream.clock, self.host_clock)  # the host issues this op after what it waited for
         return stream.clock
 
     def _check(self, who: str, clock: Dict[str, int], reads, writes, what: Any) -> None:
-        for t in reads:
-            k = _key(t)
-            if k is None:
-                continue
-            w = self.last_write.get(k)
-            if w is not None and w[0] != who and clock.get(w[0], 0) < w[1]:
-                self.races.append(f"{who} reads {tuple(t.shape)} ({what}) written by {w[0]} op {w[1]}, not waited for")
-        for t in writes:
-            k = _key(t)
-            if k is None:
-                continue
-            w = self.last_write.get(k)
-            if w is not None and w[0] != who and clock.get(w[0], 0) < w[1]:
-                self.races.append(f"{who} writes {tuple(t.shape)} ({what}) written by {w[0]} op {w[1]}, not waited for")
-            for r, rn in self.reads.get(k, {}).items():
-                if r != who and clock.get(r, 0) < rn:
-                    self.races.append(f"{who} writes {tuple(t.shape)} ({what}) read by {r} op {rn}, not waited for")
+        """Every access must come after the other streams' last write; a write also after their reads."""
+        for verb, tensors in (("reads", reads), ("writes", writes)):
+            for t in tensors:
+                k = _key(t)
+                if k is None:
+                    continue
+                w = self.last_write.get(k)
+                if w is not None and w[0] != who and clock.get(w[0], 0) < w[1]:
+                    self.races.append(f"{who} {verb} {tuple(t.shape)} ({what}) written by {w[0]} op {w[1]}, not waited for")
+                if verb == "writes":
+                    for r, rn in self.reads.get(k, {}).items():
+                        if r != who and clock.get(r, 0) < rn:
+                            self.races.append(f"{who} writes {tuple(t.shape)} ({what}) read by {r} op {rn}, not waited for")
 
     def _account(self, stream: FakeStream, reads, writes, outputs, what: Any = None) -> None:
         n = stream.issued

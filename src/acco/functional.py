@@ -87,11 +87,10 @@ def _adam(out: torch.Tensor, param: torch.Tensor, grad: torch.Tensor, state: Dic
     exp_avg, exp_avg_sq = state.get("exp_avg"), state.get("exp_avg_sq")
     if step_t is not None and (g.get("capturable") or g.get("fused")):  # the counter is on the device: stay there
         step = step_t.to(torch.float32) + 1
-        bc1, bc2_sqrt = 1 - beta1**step, (1 - beta2**step).sqrt()
     else:  # a host-side counter (torch keeps it on the CPU), or none yet
         step = (float(step_t) if step_t is not None else 0.0) + 1.0
-        bc1, bc2_sqrt = 1 - beta1**step, (1 - beta2**step) ** 0.5
-    step_size = lr / bc1
+    bc2_sqrt = (1 - beta2**step) ** 0.5  # a number, or a device scalar: the same arithmetic either way
+    step_size = lr / (1 - beta1**step)
     for o, p, gr, *moments in _chunks(out, param, grad, *(t for t in (exp_avg, exp_avg_sq) if t is not None)):
         m, v = moments if moments else (torch.zeros_like(p), torch.zeros_like(p))
         theta = p.clone()
@@ -103,8 +102,7 @@ def _adam(out: torch.Tensor, param: torch.Tensor, grad: torch.Tensor, state: Dic
         m = m.lerp(gr, 1 - beta1)
         v = v.mul(beta2).addcmul_(gr, gr, value=1 - beta2)
         denom = (v.sqrt() / bc2_sqrt).add_(eps)
-        o.copy_(theta.addcdiv_(m, denom * (1.0 / step_size) if torch.is_tensor(step_size) else denom,
-                               value=-1.0 if torch.is_tensor(step_size) else -step_size))
+        o.copy_(theta.sub_(m.div_(denom).mul_(step_size)))
 
 
 def _sgd(out: torch.Tensor, param: torch.Tensor, grad: torch.Tensor, state: Dict[str, Any], g: Dict[str, Any]) -> None:

@@ -333,32 +333,29 @@ def run_round(
     if max_grad_norm is not None and not skipped:
         b.grad.mul_(clip_coefficient(norm, max_grad_norm).to(b.grad.dtype))
 
+    snapshotted = False  # Opt* of another optimizer: its own step on a snapshot, restored after the all-gather
     if functional_estimate and not skipped:
         # Opt* computed into the all-gather's input; theta and the state are only read.
         if b.staging is None and b.estimate is None:
             b.estimate = torch.empty_like(b.master)
-        out = b.staging if b.staging is not None else b.estimate
-        functional.estimate_into(out, optimizer, params, b.master)
+        source = b.staging if b.staging is not None else b.estimate
+        functional.estimate_into(source, optimizer, params, b.master)
         if undo is not None:  # a non-finite gradient: the estimate is theta itself
-            out.copy_(torch.where(undo, b.master.to(out.dtype), out))
-        all_gather_flat(b.weights, out, group, b.collectives)  # every rank's estimate slice -> full weights
-        return RoundResult(kind, local_microbatches, b.count, b.rank_counts, norm, skipped, report)
-    estimate = kind is RoundKind.ESTIMATE and not skipped  # another optimizer: its own step, on a snapshot
-    if estimate or undo is not None:
-        assert snapshot is not None
-        snapshot.save(optimizer, params, b.master)
-    if not skipped:
-        optimizer.step()
-        if snapshot is not None and not estimate:
-            snapshot.stepped = True  # the optimizer's state exists now, for every piece that keeps one
-    if undo is not None:
-        snapshot.restore_where(undo, optimizer, params, b.master)  # a non-finite gradient: as if no step
-    if b.staging is None:
-        all_gather_flat(b.weights, b.master, group, b.collectives)  # every rank's new slice -> full weights
+            torch.where(undo, b.master.to(source.dtype), source, out=source)
     else:
-        b.staging.copy_(b.master)
-        all_gather_flat(b.weights, b.staging, group, b.collectives)
-    if estimate:
+        snapshotted = kind is RoundKind.ESTIMATE and not skipped
+        if snapshotted or undo is not None:
+            assert snapshot is not None
+            snapshot.save(optimizer, params, b.master)
+        if not skipped:
+            optimizer.step()
+            if snapshot is not None and not snapshotted:
+                snapshot.stepped = True  # the optimizer's state exists now, for every piece that keeps one
+        if undo is not None:
+            snapshot.restore_where(undo, optimizer, params, b.master)  # a non-finite gradient: as if no step
+        source = b.master if b.staging is None else b.staging.copy_(b.master)
+    all_gather_flat(b.weights, source, group, b.collectives)  # every rank's new slice -> full weights
+    if snapshotted:
         snapshot.restore(optimizer, params, b.master)  # Opt*: leave theta and state untouched
     return RoundResult(kind, local_microbatches, b.count, b.rank_counts, norm, skipped, report)
 
