@@ -53,22 +53,32 @@ def estimate_into(
     """Write ``Opt*(master, pieces' .grad)`` into ``out`` (master's shape, any float dtype); change nothing else.
 
     ``pieces`` are the wrapped optimizer's parameters (views of ``master``,
-    each with its ``.grad``), in ``optimizer.param_groups`` order; ``master``
-    outside them (padding) is copied as is. Call only if :func:`supports`.
+    each with its ``.grad``), in ``optimizer.param_groups`` order, which is
+    master order; ``master`` outside them (padding) is copied as is. ``out``
+    may be the gradients' own memory (each ``.grad`` at its piece's offset):
+    every chunk's gradient is read before the chunk is written. Call only if
+    :func:`supports`.
     """
-    out.copy_(master)  # the padding, and every piece below overwrites its own range
     base = master.data_ptr()
     size = master.element_size()
     adam = type(optimizer) in (torch.optim.Adam, torch.optim.AdamW)
+    covered = 0  # pieces are in master order: what lies between them (padding) is copied as is
     for group in optimizer.param_groups:
         for p in group["params"]:
+            if p.numel() == 0:  # a parameter outside this rank's slice (an empty view has no address)
+                continue
             start = (p.data_ptr() - base) // size
+            if start > covered:
+                out[covered:start].copy_(master[covered:start])
+            covered = max(covered, start + p.numel())
             target = out[start : start + p.numel()].view_as(p)
             state = optimizer.state.get(p, {})
             if adam:
                 _adam(target, p, p.grad, state, group)
             else:
                 _sgd(target, p, p.grad, state, group)
+    if covered < master.numel():
+        out[covered:].copy_(master[covered:])
 
 
 def _chunks(*tensors: torch.Tensor):

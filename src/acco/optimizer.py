@@ -934,7 +934,7 @@ class AccoOptimizer(torch.optim.Optimizer):
         self._collect()  # the round's worker fills the state and the scratch: read them after it
         b = self._buffers
         state = [v for st in self.local_optimizer.state.values() for v in st.values()]
-        scratch = ([] if self._snapshot is None else self._snapshot.tensors()) + [b.estimate]
+        scratch = [] if self._snapshot is None else self._snapshot.tensors()
         report = {
             "params": nbytes(self._params),
             "grads": 0 if self._grads is self._accum else nbytes([self._grads]),

@@ -88,7 +88,6 @@ class ShardBuffers:
     rows: Optional[torch.Tensor] = None
     staging: Optional[torch.Tensor] = None
     grad_staging: Optional[torch.Tensor] = None
-    estimate: Optional[torch.Tensor] = None  # Opt*'s output when it has no staging slice to go to (made once)
     collectives: str = "native"  # or "ring": the reduce-scatter and all-gather (collectives.ring_algorithm)
     host_empty: Any = None  # (shape, dtype) -> a host tensor the device writes without blocking (device checks)
 
@@ -335,10 +334,9 @@ def run_round(
 
     snapshotted = False  # Opt* of another optimizer: its own step on a snapshot, restored after the all-gather
     if functional_estimate and not skipped:
-        # Opt* computed into the all-gather's input; theta and the state are only read.
-        if b.staging is None and b.estimate is None:
-            b.estimate = torch.empty_like(b.master)
-        source = b.staging if b.staging is not None else b.estimate
+        # Opt* computed into the all-gather's input; theta and the state are only read. Without a staging
+        # slice that input is the gradient slice itself: each chunk's gradient is read before it is overwritten.
+        source = b.staging if b.staging is not None else b.grad
         functional.estimate_into(source, optimizer, params, b.master)
         if undo is not None:  # a non-finite gradient: the estimate is theta itself
             torch.where(undo, b.master.to(source.dtype), source, out=source)
