@@ -44,8 +44,8 @@ def one(buffers, opt, snapshot, use_functional: bool) -> float:
     try:
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
         t0 = time.perf_counter()
-        rounds.run_round(rounds.RoundKind.ESTIMATE, buffers, opt, [buffers.master], hyper, 2, None, snapshot,
-                         grad_scale=0.5)
+        rounds.run_round(rounds.RoundContext(buffers, opt, [buffers.master], None, snapshot),
+                         rounds.RoundSpec(rounds.RoundKind.ESTIMATE, 2, 0.5, hyper))
         return time.perf_counter() - t0
     finally:
         functional.supports = real

@@ -6,7 +6,11 @@ measured by running the scripts themselves (docs/benchmarks.md), not here.
 
 from __future__ import annotations
 
+import contextlib
+import importlib.util
+import io
 import json
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -24,51 +28,157 @@ def _records(path: Path) -> list:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
+def _ratio_cell(values) -> str:
+    """The report's ``median [min–max]`` cell, computed here from the per-repeat values."""
+    return f"{statistics.median(values):.2f} [{min(values):.2f}–{max(values):.2f}]"
+
+
+def _table(report: str, column: str) -> list:
+    """The rows, as {header: cell}, of the first markdown table whose header has ``column``."""
+    lines = report.splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("|") and column in line)
+    head = [c.strip() for c in lines[start].strip().strip("|").split("|")]
+    rows = []
+    for line in lines[start + 2:]:
+        if not line.startswith("|"):
+            break
+        rows.append(dict(zip(head, [c.strip() for c in line.strip().strip("|").split("|")])))
+    return rows
+
+
 def test_overlap_and_report_smoke(tmp_path):
-    """Check overlap.py writes one record per method with tokens/s, utilisation and round statistics,
-    and report.py turns them into tables and a plot."""
+    """Check overlap.py runs every method once per repeat, interleaved (A B C A B C), with equal tokens per
+    update, torch DDP stepping the whole model and DDP+ZeRO a shard, and report.py's ratio table takes
+    acco / best of (ddp, ddp-zero) per repeat."""
     out = tmp_path / "overlap.jsonl"
-    methods = "compute,acco,sync,ddp-zero"  # acco:ring0 and dpu are the same worker with another flag/mode
-    run_command([sys.executable, str(BENCH / "overlap.py"), "--loopback", "--smoke", "--methods", methods,
-                 "--out", str(out)], timeout=300)
-    recs = {r["label"]: r for r in _records(out)}
-    assert list(recs) == methods.split(",")
-    assert all(r["tokens_per_s"] > 0 and r["microbatches"] > 0 for r in recs.values())
-    assert recs["compute"]["utilisation"] == 1.0
-    for label in ("acco", "sync"):
-        s = recs[label]["summary"]
-        assert s["rounds"] > 0 and s["round_s"] > 0 and len(s["microbatches_per_rank"]) == 2
+    methods = ["acco", "ddp", "ddp-zero"]  # compute, sync and the awc loop's bounds: test_hetero_smoke
+    run_command([sys.executable, str(BENCH / "overlap.py"), "--loopback", "--smoke", "--repeats", "2",
+                 "--methods", ",".join(methods), "--out", str(out)], timeout=300)
+    recs = _records(out)
+    assert [(r["label"], r["repeat"]) for r in recs] == [(m, k) for k in range(2) for m in methods]
+    assert all(r["tokens_per_s"] > 0 and r["dtype"] == "fp32" and r["loop"] == "awc" for r in recs)
     # equal tokens per update: 2 micro-batches per rank, timed updates only
-    assert recs["acco"]["microbatches"] == recs["sync"]["microbatches"] == recs["ddp-zero"]["microbatches"] == 8
-    plot = tmp_path / "overlap.png"
-    report = run_command([sys.executable, str(BENCH / "report.py"), str(out), "--plot", str(plot)], timeout=120)
-    assert "| acco |" in report or "acco" in report
-    assert plot.stat().st_size > 0
+    assert {r["microbatches"] for r in recs} == {8}
+    acco = recs[0]
+    assert acco["summary"]["rounds"] > 0 and len(acco["summary"]["microbatches_per_rank"]) == 2
+    assert acco["options"]["accumulate_while_communicating"] == "True"  # the awc loop
+    assert {x["local_microbatches"] for x in acco["rounds"] if x["kind"] == "estimate"} == {1}  # one per half
+    ddp, zero = recs[1]["memory"], recs[2]["memory"]
+    # torch DDP: AdamW state of the whole model on every rank; ZeRO: of the parameters this rank owns
+    assert ddp["optimizer_state"] >= 2 * recs[1]["param_bytes_fp32"] > zero["optimizer_state"] > 0
+    assert ddp["ddp_buckets"] == ddp["params"] == recs[1]["param_bytes_fp32"]
+    report = run_command([sys.executable, str(BENCH / "report.py"), str(out)], timeout=120)
+    tokens = {(r["label"], r["repeat"]): r["tokens_per_s"] for r in recs}
+    best = [tokens["acco", k] / max(tokens["ddp", k], tokens["ddp-zero", k]) for k in range(2)]
+    [row] = _table(report, "acco / best of")
+    assert row["acco / best of (ddp, ddp-zero)"] == _ratio_cell(best)
+    assert row["acco / ddp"] == _ratio_cell([tokens["acco", k] / tokens["ddp", k] for k in range(2)])
 
 
 def test_hetero_smoke(tmp_path):
     """Check hetero.py: the slowed rank contributes fewer micro-batches per round to acco-acc."""
     out = tmp_path / "hetero.jsonl"
-    run_command([sys.executable, str(BENCH / "hetero.py"), "--loopback", "--smoke", "--methods",
+    run_command([sys.executable, str(BENCH / "hetero.py"), "--loopback", "--smoke", "--repeats", "1", "--methods",
                  "compute,acco-acc,sync", "--out", str(out)], timeout=300)
     recs = {r["label"]: r for r in _records(out)}
-    assert set(recs) == {"compute", "acco-acc", "sync"}
-    assert all(r["slow_rank"] == 1 and r["tag"] == "hetero" for r in recs.values())
+    assert list(recs) == ["compute", "acco-acc", "sync"]
+    assert all(r["slow_rank"] == 1 and r["tag"] == "hetero" and r["repeat"] == 0 for r in recs.values())
+    assert recs["compute"]["utilisation"] == 1.0 and 0 < recs["sync"]["utilisation"]
+    assert recs["sync"]["summary"]["rounds"] > 0 and recs["sync"]["microbatches"] == 8
     fast, slow = recs["acco-acc"]["summary"]["microbatches_per_rank"]
     assert fast >= slow
     report = run_command([sys.executable, str(BENCH / "report.py"), str(out)], timeout=60)
     assert "Heterogeneous" in report
+    assert [r["method"] for r in _table(report, "vs best of")] == ["compute", "acco-acc", "sync"]
 
 
 def test_memory_smoke(tmp_path):
-    """Check memory.py records peak RSS for each method and the buffers of acco and DDP+ZeRO."""
+    """Check memory.py in bf16: the library's default loop with a bf16 compute copy and fp32 accumulation,
+    torch DDP+ZeRO in pure bf16 and under autocast (fp32 parameters), every rank's peak RSS, and the report's
+    target table against both torch baselines."""
     out = tmp_path / "memory.jsonl"
-    run_command([sys.executable, str(BENCH / "memory.py"), "--smoke", "--methods", "compute,acco,ddp-zero",
-                 "--out", str(out)], timeout=300)
+    run_command([sys.executable, str(BENCH / "memory.py"), "--smoke", "--ranks", "2", "--dtypes", "bf16",
+                 "--repeats", "1", "--methods", "acco,ddp-zero", "--out", str(out)], timeout=300)
     recs = {r["label"]: r for r in _records(out)}
+    assert list(recs) == ["acco", "ddp-zero", "ddp-zero-amp"]
     assert all(len(r["peak_rss_bytes"]) == 2 and min(r["peak_rss_bytes"]) > 0 for r in recs.values())
-    assert recs["acco"]["memory"]["library_total"] > 0
-    assert recs["ddp-zero"]["memory"]["optimizer_state"] > 0
+    assert all(r["ranks"] == 2 and r["point_dtype"] == "bf16" and r["loop"] == "update" for r in recs.values())
+    acco, zero, amp = recs["acco"], recs["ddp-zero"], recs["ddp-zero-amp"]
+    assert (acco["dtype"], zero["dtype"], amp["dtype"]) == ("bf16", "bf16", "amp")
+    numel = acco["params"]
+    assert acco["param_bytes_compute"] == 2 * numel and acco["param_bytes_fp32"] == 4 * numel
+    assert acco["memory"]["params"] == zero["memory"]["params"] == 2 * numel  # bf16 copies of the model
+    assert acco["memory"]["accum"] >= 4 * numel  # summed in fp32
+    assert amp["memory"]["params"] == 4 * numel  # autocast: fp32 parameters
+    assert acco["options"] == {"mode": "acco", "accumulate_while_communicating": "False",  # the default loop
+                               "microbatches_per_update": "2", "compute_dtype": "torch.bfloat16",
+                               "accumulation_dtype": "torch.float32"}
+    # one timed update: the estimate round carries its first micro-batch, the commit round both
+    assert [(x["kind"], x["local_microbatches"]) for x in acco["rounds"]] == [("estimate", 1), ("commit", 2)]
+    assert acco["microbatches"] == 4 and acco["tokens_per_s"] > 0
+    report = run_command([sys.executable, str(BENCH / "report.py"), str(out)], timeout=60)
+    assert [r["method"] for r in _table(report, "peak RSS MiB")] == ["acco", "ddp-zero", "ddp-zero-amp"]
+    assert [(r["method"], r["against"]) for r in _table(report, "in fp32 copies")] == [
+        ("acco", "ddp-zero"), ("acco", "ddp-zero-amp")]
+
+
+def test_report_takes_ratios_per_repeat(tmp_path):
+    """Check report.py on records with known numbers: ratios within a repeat, then median and range (not a ratio
+    of medians), the best of the two torch baselines chosen per repeat, utilisation over the same repeat's
+    compute-only run, memory in parameter-sized copies, a record without ``repeat`` read as repeat 0, the plot."""
+    import report
+
+    common = dict(world=2, micro_batch=2, seq_len=10, params=1000, rate_mbit=100.0)
+    tokens = {"compute": [100, 200, 100], "acco": [90, 100, 80], "sync": [60, 100, 50],
+              "ddp": [50, 80, 20], "ddp-zero": [40, 90, 30]}
+    recs = [dict(common, tag="overlap", label=m, repeat=k, tokens_per_s=t[k],
+                 summary={"rounds": 4, "round_s": 0.1, "hidden": 1.0} if m in ("acco", "sync") else {})
+            for k in range(3) for m, t in tokens.items()]
+    mem = {"acco": [11000, 13000], "ddp-zero": [9000, 10000]}  # peak RSS per rank, bytes
+    recs += [dict(common, tag="memory", label=m, repeat=0, peak_rss_bytes=rss, point_dtype="bf16", dtype="bf16")
+             for m, rss in mem.items()]
+    path = tmp_path / "r.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in recs))
+    old = tmp_path / "old.jsonl"  # a record of the first sweep: no repeat, dtype or loop
+    old.write_text(json.dumps(dict(common, tag="overlap", label="acco", rate_mbit=50.0, tokens_per_s=7.0)))
+    rec = {(r["label"], r["repeat"]): r["tokens_per_s"] for r in recs if r["tag"] == "overlap"}
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        report.main([str(path), str(old), "--plot", str(tmp_path / "u.png")])
+    text = out.getvalue()
+    best = [rec["acco", k] / max(rec["ddp", k], rec["ddp-zero", k]) for k in range(3)]
+    assert best == [90 / 50, 100 / 90, 80 / 30]
+    ratio = {r["rate Mbit/s"]: r for r in _table(text, "acco / best of")}
+    x = [0.1 / (2 * 2 * 10 / rec["compute", k]) for k in range(3)]  # T_round(sync) / T_half(compute) per repeat
+    assert ratio["100"]["x"] == _ratio_cell(x)
+    for col, den in (("acco / ddp-zero", "ddp-zero"), ("acco / ddp", "ddp"), ("acco / sync", "sync")):
+        assert ratio["100"][col] == _ratio_cell([rec["acco", k] / rec[den, k] for k in range(3)]), col
+    assert ratio["100"]["acco / best of (ddp, ddp-zero)"] == _ratio_cell(best)
+    rows = {(r["rate Mbit/s"], r["method"]): r for r in _table(text, "utilisation")}
+    assert rows["100", "acco"]["utilisation"] == "0.800 [0.500–0.900]"  # 90/100, 100/200, 80/100
+    assert rows["50", "acco"]["tokens/s"] == "7"  # the old record, as one repeat
+    # acco's peak 13000 B vs ddp-zero's 10000 B: 0.75 fp32 copies (4000 B), 1.5 bf16 copies (2000 B)
+    [target] = _table(text, "in fp32 copies")
+    cells = [target[k] for k in ("against", "in fp32 copies", "in compute-dtype copies")]
+    assert cells == ["ddp-zero", "0.75", "1.50"]
+    assert target["median ≤ 1.25 (fp32 / compute copies)"] == "yes / no"
+    if importlib.util.find_spec("matplotlib"):
+        assert (tmp_path / "u.png").stat().st_size > 0
+
+
+def test_update_loop_refuses_acco_acc(capsys):
+    """acco-acc accumulates while a round is in flight, which only the awc loop does: the sweeps and the worker
+    refuse it in the update loop, before running anything."""
+    import overlap
+    import worker
+
+    with pytest.raises(SystemExit, match="only the awc loop"):
+        overlap.main(["--loopback", "--loop", "update", "--methods", "compute,acco-acc"])
+    with pytest.raises(SystemExit):
+        worker.parse_args(["--method", "acco-acc", "--loop", "update"])
+    assert "only the awc loop" in capsys.readouterr().err
+    assert worker.parse_args(["--method", "acco", "--loop", "update", "--dtype", "bf16"]).dtype == "bf16"
 
 
 def test_netns_dry_run_prints_a_rate_limited_testbed():

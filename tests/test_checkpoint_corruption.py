@@ -34,7 +34,7 @@ def _train(model, opt, updates, seed):
 
 def _everything(model, opt):
     st = opt.local_optimizer.state
-    return ([t.detach().clone() for t in model.state_dict().values()] + [opt._buffers.master.clone()]
+    return ([t.detach().clone() for t in model.state_dict().values()] + [opt._flat.master.clone()]
             + [v.clone() for p in opt._pieces for v in st.get(p, {}).values() if torch.is_tensor(v)]
             + [torch.tensor([opt.num_rounds, opt.num_updates, opt.next_update_index])])
 
@@ -50,7 +50,7 @@ def saved(tmp_path):
     _train(model, opt, 3, seed=1)
     with opt.committed_weights():
         acco.checkpoint.save(str(tmp_path / "ckpt"), opt, model=model)
-    master = opt._buffers.master[: opt.layout.numel].clone()
+    master = opt._flat.master[: opt.layout.numel].clone()
     opt.finish()
     return tmp_path / "ckpt", master
 
@@ -109,7 +109,7 @@ def test_undamaged_checkpoint_loads(saved):
     path, master = saved
     model, opt = _victim()
     acco.checkpoint.load(str(path), opt, model=model)
-    assert torch.equal(opt._buffers.master[: opt.layout.numel], master)
+    assert torch.equal(opt._flat.master[: opt.layout.numel], master)
     opt.finish()
 
 

@@ -183,7 +183,7 @@ def test_committed_weights_block_refuses_training():
 
 
 def _state(opt, model):
-    return flat(model), opt._buffers.master.clone(), opt.num_updates
+    return flat(model), opt._flat.master.clone(), opt.num_updates
 
 
 @pytest.mark.parametrize("case", ["mode", "optimizer", "model", "plain adamw", "garbage"])
@@ -248,14 +248,14 @@ def _rank_worker(rank: int, world: int) -> dict:
     # rank 1 is handed rank 0's shard (a torch.save on rank 0 only, loaded everywhere)
     objs = [sd]
     torch.distributed.broadcast_object_list(objs, src=0)
-    before = flat(model).clone(), opt._buffers.master.clone()
+    before = flat(model).clone(), opt._flat.master.clone()
     out = {"rank": rank}
     try:
         opt.load_state_dict(objs[0])
         out["error"] = None
     except ValueError as exc:
         out["error"] = str(exc)
-    out["unchanged"] = torch.equal(before[0], flat(model)) and torch.equal(before[1], opt._buffers.master)
+    out["unchanged"] = torch.equal(before[0], flat(model)) and torch.equal(before[1], opt._flat.master)
     full = opt.consolidated_state_dict()
     opt.finish()
     after = opt.consolidated_state_dict()  # the documented way out still works after finish()
@@ -408,6 +408,6 @@ def test_default_loop_holds_no_separate_grad_buffer():
     rep = opt.memory_report()
     assert rep["grads"] == 0 and rep["accum"] == rep["comm"] == rep["params"]
     loss_fn(model, 0, 50).backward()  # after model.zero_grad(): backward's gradients land in the buffer again
-    accum = opt._accum.untyped_storage().data_ptr()
+    accum = opt._flat.accum.untyped_storage().data_ptr()
     assert all(p.grad.untyped_storage().data_ptr() == accum for p in model.parameters())
     opt.finish()

@@ -49,7 +49,7 @@ def test_fused_adamw_resumes_exactly():
     opt2 = AccoOptimizer(model2.parameters(), torch.optim.AdamW, **kw)
     opt2.load_state_dict(saved)
     step = next(iter(opt2.local_optimizer.state.values()))["step"]
-    assert step.dtype == torch.float32 and step.device == opt2._buffers.master.device
+    assert step.dtype == torch.float32 and step.device == opt2._flat.master.device
     run(model2, opt2, 3, 6)
     opt2.finish()
     assert torch.equal(flat(model2), reference)
@@ -120,7 +120,7 @@ def test_fp32_accumulation_keeps_the_grad_contract():
     with pytest.raises(RuntimeError, match="modified in place"):
         opt.step()
     opt.zero_grad()
-    assert opt._accum.abs().sum() == 0
+    assert opt._flat.accum.abs().sum() == 0
     opt._failed = None
     opt.finish()
 

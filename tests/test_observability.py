@@ -62,7 +62,7 @@ def _algorithm_worker(rank: int, world: int, env) -> str:
     if env is not None:
         os.environ[collectives.RING_ENV] = env
     opt = AccoOptimizer(make_model().parameters(), lr=1e-2)
-    algorithm = opt._buffers.collectives
+    algorithm = opt._flat.shard.collectives
     opt.finish()
     return algorithm
 

@@ -57,3 +57,33 @@ def test_clip_coefficient_scales_as_clip_grad_norm(max_norm):
     coef = clip_coefficient(norm, max_norm)
     for p, t in zip(params, grads):
         assert torch.allclose(p.grad, t * coef, rtol=1e-12, atol=0)
+
+
+def test_progress_round_trips_through_its_tensor():
+    """Every saved counter survives to_tensor/load_tensor by name; the window is emptied; a wrong length is refused."""
+    from acco.progress import Progress
+    from acco.rounds import RoundKind
+
+    for seed in range(5):
+        g = torch.Generator().manual_seed(seed)
+        r = lambda hi: int(torch.randint(0, hi, (1,), generator=g))  # noqa: E731
+        src = Progress(torch.tensor(float(r(10_000)), dtype=torch.float64), microbatches_per_update=r(9) or None,
+                       num_rounds=r(500), num_updates=r(500), num_skipped_updates=r(5), commits_handed_off=r(500),
+                       holds_estimate=bool(r(2)), pending=[None, RoundKind.COMMIT, RoundKind.ESTIMATE][r(3)],
+                       mb_in_update=3, estimate_in_update=True, in_accum=2, since_handoff=1, at_boundary=False)
+        saved = src.to_tensor()
+        assert saved.dtype == torch.int64 and saved.shape == (len(Progress.SAVED),)
+        dst = Progress(torch.zeros((), dtype=torch.float64), microbatches_per_update=4)
+        pending_commit = dst.load_tensor(saved)
+        assert pending_commit == (src.pending is RoundKind.COMMIT)
+        for name in ("num_rounds", "num_updates", "num_skipped_updates", "commits_handed_off", "holds_estimate"):
+            assert getattr(dst, name) == getattr(src, name), name
+        assert int(dst.committed_mb) == int(src.committed_mb)
+        assert dst.microbatches_per_update == (src.microbatches_per_update or 4)  # 0 saved: keep the configured one
+        assert dst.pending is (RoundKind.COMMIT if src.pending is RoundKind.COMMIT else None)
+        assert (dst.mb_in_update, dst.in_accum, dst.since_handoff, dst.estimate_in_update, dst.at_boundary) == (
+            0, 0, 0, False, True)
+        for name in Progress.SAVED:
+            assert Progress.saved_field(saved, name) == int(saved[Progress.SAVED.index(name)])
+    with pytest.raises(ValueError, match="expected 8 counters"):
+        Progress(torch.zeros((), dtype=torch.float64)).load_tensor(torch.zeros(5, dtype=torch.int64))

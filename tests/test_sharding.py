@@ -27,7 +27,7 @@ def _bytes_worker(rank: int, world: int) -> dict:
         opt.step()
     opt.finish()
     state = [t for s in opt.local_optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
-    master = opt._buffers.master
+    master = opt._flat.master
     return {
         "numel": numel,
         "master_numel": master.numel(),

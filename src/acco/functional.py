@@ -1,7 +1,7 @@
 """``Opt*`` without a snapshot: the estimate ``theta~ = Opt*(theta, g)`` computed into a buffer of its own.
 
 An estimate round must leave the master slice and the optimizer state as they
-were (``docs/algorithm.md``). The general way (``rounds.OptimizerSnapshot``)
+were (``docs/algorithm.md``). The general way (``snapshot.OptimizerSnapshot``)
 copies both aside, runs the real step and copies them back: ``12 Phi / N``
 bytes of scratch for AdamW and six slice-sized copies per round. For the
 optimizers users run, this module computes the same arithmetic as torch's

@@ -6,28 +6,43 @@ buffer ``comm`` (this rank's gradient sum) and writes the all-gathered weights
 back into the same buffer. Nothing here knows about threads or streams: the
 :class:`~acco.scheduler.StreamScheduler` decides where a round runs.
 
+Its four collectives, in this order, on the round group (``N`` ranks, ``P``
+padded elements of the flat buffer, ``P/N`` per rank):
+
+1. all-gather of one row per rank, ``[micro-batch count, hyper-parameter
+   fingerprint, round id]``: 3 float64 in, ``3N`` out;
+2. reduce-scatter of the gradient sum, ``P`` elements of the accumulation
+   dtype in, this rank's ``P/N`` out (gloo: the ring of ``collectives.py``);
+3. all-reduce of the squared gradient norm: 1 float64;
+4. all-gather of the new weights: ``P/N`` of the compute dtype in, ``P`` out,
+   into the memory the gradients left (gloo: the ring).
+
 Two kinds of round (``algorithm.md``):
 
 * ``COMMIT``   ``theta <- Opt(theta, g)``: master weights and optimizer state move.
 * ``ESTIMATE`` ``theta~ = Opt*(theta, g)``: the same step, computed into the
   all-gather's input without touching the master weights or the optimizer
   state (``functional.py``: Adam, AdamW, SGD); for other optimizers the real
-  step on a snapshot, restored afterwards. Only the all-gathered weights (the
-  estimate) leave the round.
+  step on a snapshot (``snapshot.py``), restored afterwards. Only the
+  all-gathered weights (the estimate) leave the round.
+
+What a round needs is split in two: a :class:`RoundContext`, fixed for the
+optimizer's life (buffers, wrapped optimizer, group, policies), and a
+:class:`RoundSpec`, one per hand-off (kind, count, scale, hyper-parameters).
 """
 
 from __future__ import annotations
 
-import copy
 import enum
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from . import functional
 from .collectives import all_gather_flat, all_reduce_sum, reduce_scatter_flat
+from .snapshot import OptimizerSnapshot
 
 __all__ = [
     "HyperParameterMismatchError",
@@ -36,11 +51,14 @@ __all__ = [
     "RoundFailedError",
     "RoundKind",
     "RoundMismatchError",
+    "RoundContext",
     "RoundReport",
     "RoundResult",
+    "RoundSpec",
     "ShardBuffers",
     "clip_coefficient",
     "global_grad_norm",
+    "report_outcome",
     "round_kind",
     "run_round",
 ]
@@ -92,96 +110,30 @@ class ShardBuffers:
     host_empty: Any = None  # (shape, dtype) -> a host tensor the device writes without blocking (device checks)
 
 
-class OptimizerSnapshot:
-    """Scratch copy of the master slice and the optimizer state, for ``Opt*``.
+@dataclass
+class RoundContext:
+    """What every round of one optimizer uses (built once)."""
 
-    Buffers are allocated once and reused (``copy_``), so an estimate round costs
-    at most one extra master slice and one extra state slice (``12 Phi / N``
-    bytes for AdamW), and tensors keep their addresses across rounds.
-    """
+    buffers: ShardBuffers
+    optimizer: torch.optim.Optimizer  # the wrapped optimizer, over this rank's pieces
+    pieces: List[torch.Tensor]  # its parameters: views of ``buffers.master``
+    group: Optional[dist.ProcessGroup]  # the rounds' own group (None: one process)
+    snapshot: Optional[OptimizerSnapshot] = None  # Opt* of other optimizers; the CUDA path's undo
+    max_grad_norm: Optional[float] = None
+    nonfinite: str = "skip"
+    device_checks: bool = False  # CUDA path: checks become device flags, no host sync
 
-    def __init__(self) -> None:
-        self.stepped = False  # a step has been applied to the optimizer (set by run_round)
-        self._master: Optional[torch.Tensor] = None
-        self._state: Dict[int, Dict[str, Any]] = {}
-        self._had_state: Dict[int, bool] = {}
 
-    def save(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], master: torch.Tensor) -> None:
-        if self._master is None:
-            self._master = torch.empty_like(master)
-        self._master.copy_(master)
-        for i, p in enumerate(params):
-            state = optimizer.state.get(p)
-            self._had_state[i] = bool(state)
-            if not state:
-                continue
-            saved = self._state.setdefault(i, {})
-            for key in list(saved):
-                if key not in state:
-                    del saved[key]
-            for key, value in state.items():
-                if torch.is_tensor(value):
-                    old = saved.get(key)
-                    if torch.is_tensor(old) and old.shape == value.shape and old.dtype == value.dtype:
-                        old.copy_(value)
-                    else:
-                        saved[key] = value.detach().clone()
-                else:
-                    saved[key] = copy.deepcopy(value)
+@dataclass
+class RoundSpec:
+    """One hand-off: which round, on what."""
 
-    def tensors(self) -> List[torch.Tensor]:
-        """The scratch tensors held (for memory accounting)."""
-        out = [] if self._master is None else [self._master]
-        return out + [v for st in self._state.values() for v in st.values() if torch.is_tensor(v)]
-
-    def restorable_on_device(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], master: torch.Tensor) -> bool:
-        """Whether :meth:`restore_where` can undo a step without the host: all the state is tensors on the
-        master's device, and a piece without state is one the optimizer keeps none for (``stepped``: a step has
-        been applied since, e.g. SGD without momentum). Not so before the first step (it creates state that
-        would have to be dropped), or for a step counter on the CPU."""
-        for p in params:
-            state = optimizer.state.get(p)
-            if not state:
-                if not self.stepped:
-                    return False
-                continue
-            for value in state.values():
-                if not torch.is_tensor(value) or value.device != master.device:
-                    return False
-        return True
-
-    def restore_where(
-        self, undo: torch.Tensor, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], master: torch.Tensor
-    ) -> None:
-        """Where the device flag ``undo`` is set, put back what :meth:`save` saw; else keep the step. No host sync.
-
-        Needs :meth:`restorable_on_device` to have held at :meth:`save`.
-        """
-        assert self._master is not None, "restore_where() without save()"
-        torch.where(undo, self._master, master, out=master)
-        for i, p in enumerate(params):
-            if not self._had_state[i]:
-                continue  # a piece the optimizer keeps no state for
-            state, saved = optimizer.state[p], self._state[i]
-            for key, value in saved.items():
-                torch.where(undo.to(value.device), value, state[key], out=state[key])
-
-    def restore(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], master: torch.Tensor) -> None:
-        assert self._master is not None, "restore() without save()"
-        master.copy_(self._master)
-        for i, p in enumerate(params):
-            if not self._had_state[i]:
-                optimizer.state.pop(p, None)
-                continue
-            state, saved = optimizer.state[p], self._state[i]
-            for key in [k for k in state if k not in saved]:
-                del state[key]
-            for key, value in saved.items():
-                cur = state.get(key)
-                if torch.is_tensor(value) and torch.is_tensor(cur) and cur.shape == value.shape and cur.dtype == value.dtype:
-                    cur.copy_(value)
-                else:
-                    state[key] = value.clone() if torch.is_tensor(value) else copy.deepcopy(value)
+    kind: "RoundKind"
+    local_microbatches: int  # this rank's micro-batches in the gradient sum
+    grad_scale: Optional[float]  # None: divide by the count over all ranks; else multiply the sum by it
+    hyperparams: List[Dict[str, Any]]  # one dict per group, taken at hand-off
+    hyper_fingerprint: float = 0.0  # of ``hyperparams``: all ranks must agree
+    round_id: int = 0  # 2 * rounds handed off + (1 if estimate): all ranks must agree
 
 
 @dataclass
@@ -233,26 +185,11 @@ def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
     return (max_norm / (norm + 1e-6)).clamp(max=1.0)
 
 
-def run_round(
-    kind: RoundKind,
-    buffers: ShardBuffers,
-    optimizer: torch.optim.Optimizer,
-    params: List[torch.Tensor],
-    hyperparams: List[Dict[str, Any]],
-    local_microbatches: int,
-    group: Optional[dist.ProcessGroup],
-    snapshot: Optional[OptimizerSnapshot] = None,
-    max_grad_norm: Optional[float] = None,
-    nonfinite: str = "skip",
-    grad_scale: Optional[float] = None,
-    hyper_fingerprint: float = 0.0,
-    round_id: int = 0,
-    device_checks: bool = False,
-) -> RoundResult:
+def run_round(ctx: RoundContext, spec: RoundSpec) -> RoundResult:
     """Run one round on the current thread/stream. Collective: call on all ranks.
 
-    ``buffers.comm`` holds this rank's gradient *sum* over ``local_microbatches``
-    micro-batches; on return ``buffers.weights`` (the same memory) holds the
+    ``ctx.buffers.comm`` holds this rank's gradient *sum* over ``spec.local_microbatches``
+    micro-batches; on return ``ctx.buffers.weights`` (the same memory) holds the
     round's full weights (all ranks agree).
     ``hyperparams`` (one dict per group, taken at hand-off) are written into the
     wrapped optimizer's groups before its step, so schedulers act on the round
@@ -283,32 +220,33 @@ def run_round(
     slice and the state; while the wrapped optimizer has no state yet, or keeps
     some on the CPU, the host decides instead (one sync per such round).
     """
-    b = buffers
-    b.row[0], b.row[1], b.row[2] = float(local_microbatches), hyper_fingerprint, float(round_id)
+    b, kind, group, optimizer, params = ctx.buffers, spec.kind, ctx.group, ctx.optimizer, ctx.pieces
+    snapshot, nonfinite, max_grad_norm = ctx.snapshot, ctx.nonfinite, ctx.max_grad_norm
+    b.row[0], b.row[1], b.row[2] = float(spec.local_microbatches), spec.hyper_fingerprint, float(spec.round_id)
     all_gather_flat(b.rows, b.row, group)  # every rank's [micro-batch count, hyper fingerprint, round id]
     pairs = b.rows.view(-1, 3)
     b.rank_counts.copy_(pairs[:, 0])
     torch.sum(b.rank_counts, dim=0, keepdim=True, out=b.count)
-    if not device_checks:
+    if not ctx.device_checks:
         _check_pairs_on_host(kind, pairs)
     if b.grad_staging is None:
         reduce_scatter_flat(b.grad, b.comm, group, b.collectives)  # this rank's slice of the gradient sum
     else:
         reduce_scatter_flat(b.grad_staging, b.comm, group, b.collectives)
         b.grad.copy_(b.grad_staging)
-    if grad_scale is None:
+    if spec.grad_scale is None:
         b.grad.div_(b.count)  # the mean over all micro-batches of all ranks
     else:
-        b.grad.mul_(grad_scale)
+        b.grad.mul_(spec.grad_scale)
     norm = global_grad_norm(b.grad, group)  # one all-reduce of a scalar
 
-    for group_state, hyper in zip(optimizer.param_groups, hyperparams):
+    for group_state, hyper in zip(optimizer.param_groups, spec.hyperparams):
         group_state.update(hyper)
     functional_estimate = kind is RoundKind.ESTIMATE and functional.supports(optimizer)
 
     report = None
     undo: Optional[torch.Tensor] = None  # device flag: as if no step (theta, the state and the estimate)
-    if device_checks:
+    if ctx.device_checks:
         # Everything the CPU path checks on the host, as device flags, copied to the host without
         # blocking; the optimizer reads them once this round's end event has completed.
         nonfinite_flag = ~torch.isfinite(norm)
@@ -355,7 +293,23 @@ def run_round(
     all_gather_flat(b.weights, source, group, b.collectives)  # every rank's new slice -> full weights
     if snapshotted:
         snapshot.restore(optimizer, params, b.master)  # Opt*: leave theta and state untouched
-    return RoundResult(kind, local_microbatches, b.count, b.rank_counts, norm, skipped, report)
+    return RoundResult(kind, spec.local_microbatches, b.count, b.rank_counts, norm, skipped, report)
+
+
+def report_outcome(result: RoundResult, nonfinite: str) -> Tuple[Optional[BaseException], bool]:
+    """CUDA path, once the round's end event has completed: from the host copy of its report, what the CPU
+    path raises inside the round, and whether a commit was skipped (undone on the device)."""
+    values = result.report.tolist()
+    kind = result.kind.value
+    if values[RoundReport.ROUND_MISMATCH]:
+        return RoundMismatchError(round_mismatch_message(values[RoundReport.IDS :])), False
+    if values[RoundReport.HYPER_MISMATCH]:
+        return HyperParameterMismatchError(hyper_mismatch_message(kind)), False
+    if values[RoundReport.NONFINITE]:
+        if nonfinite == "raise":
+            return NonFiniteGradientError(nonfinite_message(kind, values[RoundReport.NORM])), False
+        return None, result.kind is RoundKind.COMMIT and result.skipped is None
+    return None, False
 
 
 def _check_pairs_on_host(kind: RoundKind, pairs: torch.Tensor) -> None:

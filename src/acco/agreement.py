@@ -1,0 +1,126 @@
+"""What the ranks must agree on, checked with collectives on the user's group.
+
+Construction checks that every rank built the same model and options and
+gives every rank the first rank's parameters (as DDP does); ``step()`` gives
+every rank the first rank's model buffers (``buffers=``); ``finish()`` checks
+that every rank handed off as many rounds. Each check raises on every rank
+alike, so no rank is left waiting in a collective the others skipped.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["all_gather_row", "broadcast_parameters", "check_same_model", "check_same_round_count", "digest",
+           "fingerprints", "hyper_fingerprint", "sync_buffers"]
+
+
+def digest(text: str) -> int:
+    """52 bits of a SHA-256: exact in an int64 and in a float64."""
+    return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little") >> 4
+
+
+def hyper_fingerprint(hyper: List[Dict[str, Any]]) -> float:
+    """One float64 that differs when any numeric or other hyper-parameter of any group differs.
+
+    Computed on the host from the hand-off's snapshot; tensors on the host are read, others (CUDA) are
+    left out rather than synchronised.
+    """
+    def value(v: Any) -> Any:
+        if torch.is_tensor(v):
+            return v.tolist() if v.device.type == "cpu" else "device tensor"
+        if isinstance(v, (tuple, list)):
+            return [value(x) for x in v]
+        if v is None or isinstance(v, (bool, int, float, str)):
+            return v
+        return type(v).__qualname__  # an object's repr may hold its address, which differs across ranks
+
+    return float(digest(repr([[(k, value(v)) for k, v in sorted(g.items())] for g in hyper])))
+
+
+def fingerprints(opt: Any) -> List[Tuple[str, Any]]:
+    """(what, value) of everything an :class:`~acco.AccoOptimizer` needs equal on every rank: the model and
+    every option and hyper-parameter that changes the math."""
+    hyper = [{k: v for k, v in sorted(g.items()) if k != "params"} for g in opt.param_groups]
+    cls = opt.optimizer_class
+    return [
+        ("the model (parameter shapes/dtypes, param groups)",
+         [len(g["params"]) for g in opt.param_groups] + [f"{tuple(p.shape)}:{p.dtype}" for g in opt.param_groups
+                                                         for p in g["params"]]),
+        ("mode", opt.mode),
+        ("optimizer_class", f"{cls.__module__}.{cls.__qualname__}"),
+        ("microbatches_per_update / accumulate_while_communicating / min/max_microbatches",
+         (opt.microbatches_per_update, opt.accumulate_while_communicating, opt.min_microbatches, opt.max_microbatches)),
+        ("compute_dtype", str(opt.compute_dtype)),
+        ("accumulation_dtype", str(opt.accumulation_dtype)),
+        ("max_grad_norm", opt.max_grad_norm),
+        ("nonfinite", opt.nonfinite),
+        ("the hyper-parameters of the param groups (lr, betas, weight_decay, ...)", hyper_fingerprint(hyper)),
+    ]
+
+
+def all_gather_row(group: dist.ProcessGroup, row: List[int], device: torch.device) -> List[List[int]]:
+    """Every rank's ``row`` of ints, in rank order. Collective on ``group``."""
+    mine = torch.tensor(row, dtype=torch.int64, device=device)
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(everyone, mine, group=group)
+    return [t.tolist() for t in everyone]
+
+
+def check_same_model(group: dist.ProcessGroup, fields: Sequence[Tuple[str, Any]], numel: int, ntensors: int,
+                     device: torch.device) -> None:
+    """All-gather digests of ``fields`` ((what, value) pairs); raise on every rank if any differ. Collective."""
+    row = [ntensors, numel] + [digest(repr(value)) for _, value in fields]
+    rows = all_gather_row(group, row, device)
+    if any(r != rows[0] for r in rows):
+        differ = [what for i, (what, _) in enumerate(fields) if len({r[i + 2] for r in rows}) > 1]
+        detail = "; ".join(f"rank {i}: {r[0]} tensors, {r[1]} elements" for i, r in enumerate(rows))
+        raise RuntimeError(
+            f"AccoOptimizer: the ranks disagree on {', '.join(differ) or 'the model'} ({detail}). Build the "
+            "same model and AccoOptimizer arguments on every rank: each rank would otherwise step its shard "
+            "with its own values."
+        )
+
+
+def broadcast_parameters(params: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup]) -> None:
+    """Give every rank the group's first rank's parameters, as DDP does; one tensor at a time (no
+    model-sized temporary). Collective on ``group``."""
+    if group is None:
+        return
+    src = dist.get_global_rank(group, 0)
+    with torch.no_grad():
+        for p in params:
+            dist.broadcast(p.data, src=src, group=group)
+
+
+def sync_buffers(buffers: Sequence[torch.Tensor], group: Optional[dist.ProcessGroup]) -> None:
+    """The model's buffers (``buffers=``) from the group's first rank, as DDP does at every step; one
+    message per dtype. Collective on ``group``."""
+    if not buffers or group is None:
+        return
+    src = dist.get_global_rank(group, 0)
+    by_dtype: Dict[torch.dtype, List[torch.Tensor]] = {}
+    for t in buffers:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    with torch.no_grad():
+        for same in by_dtype.values():
+            flat = torch.cat([t.reshape(-1) for t in same])
+            dist.broadcast(flat, src=src, group=group)
+            torch._foreach_copy_(same, [f.view_as(t) for f, t in zip(flat.split([t.numel() for t in same]), same)])
+
+
+def check_same_round_count(group: Optional[dist.ProcessGroup], num_rounds: int, device: torch.device) -> None:
+    """Raise on every rank if the ranks handed off different numbers of rounds. Collective."""
+    if group is None:
+        return
+    counts = [row[0] for row in all_gather_row(group, [num_rounds], device)]
+    if len(set(counts)) > 1:
+        raise RuntimeError(
+            f"AccoOptimizer.finish(): the ranks handed off different numbers of rounds {counts} "
+            "(rank i at index i), so their last rounds can never complete. Make every rank run the "
+            "same number of updates, e.g. loop while opt.next_update_index < total_updates."
+        )

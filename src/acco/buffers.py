@@ -1,0 +1,210 @@
+"""The library's memory: one owner for every flat buffer and its views, built once.
+
+Per rank, with ``P`` the padded number of trainable elements and ``N`` ranks
+(``docs/algorithm.md`` has the table in bytes):
+
+* the model's parameters (the user's tensors, cast once to the compute dtype);
+* ``accum``: the gradient sum since the last commit, in the accumulation dtype.
+  In the default loop with equal dtypes, ``p.grad`` *is* a view of it
+  (autograd sums micro-batches in place; no other gradient copy exists);
+* ``grads``: where backward writes when it cannot be ``accum`` (a compute-dtype
+  buffer of its own: accumulating while communicating, or an fp32
+  accumulation of bf16 gradients, folded in as each gradient arrives);
+* ``comm``: the round's buffer: gradients out (accumulation dtype), the
+  all-gathered weights back in the same memory (``comm_weights``, compute
+  dtype), installed into the parameters at the theta/theta~ swap;
+* this rank's ``P/N`` slices (:class:`~acco.rounds.ShardBuffers`): the master
+  weights, the reduce-scatter's gradient slice, a compute-dtype staging slice
+  when the dtypes differ, and the few scalars of a round.
+
+No collective here; device work only (copies, zeroing).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, List, Sequence, Tuple
+
+import torch
+
+from .grads import GradBinding
+from .layout import FlatLayout
+from .rounds import ShardBuffers
+from .stats import nbytes
+
+__all__ = ["FlatBuffers"]
+
+
+class FlatBuffers:
+    """Built from the trainable parameters (before any cast); see the module docstring."""
+
+    def __init__(
+        self,
+        params: Sequence[torch.Tensor],
+        layout: FlatLayout,
+        rank: int,
+        compute_dtype: torch.dtype,
+        accumulation_dtype: torch.dtype,
+        separate_grads: bool,
+        collectives: str,
+    ) -> None:
+        self.params = list(params)
+        self.layout = layout
+        self.rank = rank
+        device = self.params[0].device
+        param_dtype = self.params[0].dtype
+        master_dtype = torch.float64 if param_dtype == torch.float64 else torch.float32
+        cd, ad, n, s = compute_dtype, accumulation_dtype, layout.padded_numel, layout.shard_size
+
+        # The master slice, from the parameters before any cast to compute_dtype: each piece copied straight
+        # from its parameter (no full-size temporary).
+        master = torch.zeros(s, dtype=master_dtype, device=device)
+        with torch.no_grad():
+            for pc in layout.pieces(rank):
+                if pc.numel:
+                    flat = self.params[pc.index].detach().reshape(-1)
+                    master[pc.local_start : pc.local_end].copy_(flat[pc.param_start : pc.param_end])
+            if cd != param_dtype:
+                for p in self.params:
+                    p.data = p.data.to(cd)  # once, at construction: addresses fixed from here on
+
+        self.accum = torch.zeros(n, dtype=ad, device=device)
+        # Round in/out: gradients out (summed over ranks in accumulation_dtype), weights in (compute dtype, in
+        # the same memory: the reduce-scatter has read the gradients before the all-gather writes).
+        self.comm = torch.zeros(n, dtype=ad, device=device)
+        self.comm_weights = self.comm if ad == cd else self.comm.view(torch.uint8)[: n * cd.itemsize].view(cd)
+        self.comm_views = layout.views(self.comm_weights)
+        # Where backward writes: straight into accum, unless it is of another dtype (then a buffer of its own,
+        # folded into accum as each gradient arrives) or the loop accumulates while communicating (folded at
+        # each step(), so that zero_grad() after a step() cannot wipe micro-batches awaiting a hand-off).
+        self.fold_on_arrival = not separate_grads and ad != cd
+        separate = separate_grads or self.fold_on_arrival
+        self.grads = torch.zeros(n, dtype=cd, device=device) if separate else self.accum
+        self.accum_views = layout.views(self.accum)
+        self.binding = GradBinding(self.params, layout.views(self.grads), self.grads)
+        self.shard = ShardBuffers(
+            comm=self.comm,
+            weights=self.comm_weights,
+            master=master,
+            grad=torch.zeros_like(master),
+            count=torch.zeros(1, dtype=master_dtype, device=device),
+            rank_counts=torch.zeros(layout.world_size, dtype=master_dtype, device=device),
+            row=torch.zeros(3, dtype=torch.float64, device=device),
+            rows=torch.zeros(3 * layout.world_size, dtype=torch.float64, device=device),
+            staging=None if cd == master_dtype else torch.zeros(s, dtype=cd, device=device),
+            collectives=collectives,
+        )
+        if ad != master_dtype:  # gradients reduced in a narrower dtype than the master's: their own landing slice
+            b = self.shard
+            b.grad_staging = b.staging if ad == cd else torch.zeros(s, dtype=ad, device=device)
+
+    @property
+    def master(self) -> torch.Tensor:
+        return self.shard.master
+
+    def optimizer_groups(self, param_groups: Sequence[Dict[str, Any]]) -> Tuple[List[torch.Tensor], List[Dict[str, Any]]]:
+        """The wrapped optimizer's parameters (one view of the master slice per parameter, its ``.grad`` a view
+        of the gradient slice; empty where the parameter misses this rank's slice) and its param groups."""
+        pieces = self.layout.pieces(self.rank)
+        out: List[torch.Tensor] = []
+        groups = []
+        for g in param_groups:
+            group_pieces = []
+            for _ in g["params"]:
+                pc = pieces[len(out) + len(group_pieces)]
+                t = self.master[pc.local_start : pc.local_end]
+                t.grad = self.shard.grad[pc.local_start : pc.local_end]
+                group_pieces.append(t)
+            out.extend(group_pieces)
+            groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": group_pieces})
+        return out, groups
+
+    def round_tensors(self) -> List[torch.Tensor]:
+        """Every tensor a round touches that is allocated here (the CUDA path records them on its stream)."""
+        return [t for t in vars(self.shard).values() if torch.is_tensor(t)]
+
+    # ------------------------------------------------------------ gradients
+
+    @torch.no_grad()
+    def handoff(self, commit: bool) -> None:
+        """The gradient sum goes into the round buffer; a commit's leaves the accumulation (an estimate's
+        gradients count again in the commit)."""
+        self.comm.copy_(self.accum)
+        if commit:
+            self.accum.zero_()
+
+    @torch.no_grad()
+    def fold(self, clip_hint) -> None:
+        """Accumulating while communicating: accum += this micro-batch's gradients, and ``.grad`` is zeroed."""
+        self.binding.check_untouched(clip_hint, strict=False)
+        self.accum.add_(self.grads)
+        self.binding.zero_()
+
+    @torch.no_grad()
+    def add_incoming(self, index: int, grad: torch.Tensor) -> None:
+        """``fold_on_arrival``: add parameter ``index``'s gradient from this backward into the accumulation,
+        before autograd adds it into ``p.grad`` (which stays the compute-dtype sum torch makes)."""
+        view = self.accum_views[index]
+        if not self.binding.holds(index):  # the user set p.grad to None (or another tensor): discarded, as torch does
+            view.zero_()
+        view.add_(grad.to_dense() if grad.is_sparse else grad)
+
+    @torch.no_grad()
+    def zero_grads(self, update_loop: bool) -> None:
+        """``zero_grad()``: ``.grad`` zeroed in place (still bound); in the default loop with a separate
+        accumulation the update's sum lives there, so it goes too."""
+        self.binding.zero_()
+        if update_loop and self.fold_on_arrival:
+            self.accum.zero_()
+
+    @torch.no_grad()
+    def reset(self) -> None:
+        """Nothing accumulated (after ``finish()`` or a load)."""
+        self.accum.zero_()
+        self.binding.zero_()
+
+    # ------------------------------------------------------------ weights
+
+    def install(self, scheduler: Any) -> None:
+        """theta/theta~ swap: the round buffer's weights into the parameters (ordered after the round)."""
+        scheduler.install(self.params, self.comm_views)
+
+    @torch.no_grad()
+    def swap_model_and_comm(self) -> None:
+        """Exchange the model's weights and the round buffer's (one parameter-sized temporary at a time)."""
+        for p, v in zip(self.params, self.comm_views):
+            tmp = p.detach().clone()
+            p.copy_(v)
+            v.copy_(tmp)
+
+    def model_slice(self, swapped: bool) -> torch.Tensor:
+        """This rank's slice of the model's own weights (those for the next micro-batch), end to end (a new
+        slice-sized tensor). ``swapped``: inside ``committed_weights()`` they wait in the round buffer."""
+        source = self.comm_views if swapped else self.params
+        return torch.cat([p.detach().reshape(-1)[pc.param_start : pc.param_end]
+                          for p, pc in zip(source, self.layout.pieces(self.rank))])
+
+    @torch.no_grad()
+    def load_master(self, local: torch.Tensor) -> None:
+        """This rank's master slice from ``local`` (its real elements; the padding is zero)."""
+        real = self.layout.real_numel(self.rank)
+        self.master.zero_()
+        self.master[:real].copy_(local)
+
+    # ------------------------------------------------------------ accounting
+
+    def memory_report(self, optimizer_state: Sequence[torch.Tensor], scratch: Sequence[torch.Tensor]) -> Dict[str, int]:
+        b = self.shard
+        report = {
+            "params": nbytes(self.params),
+            "grads": 0 if self.grads is self.accum else nbytes([self.grads]),
+            "accum": nbytes([self.accum]),
+            "comm": nbytes([self.comm]),
+            "master": nbytes([b.master]),
+            "master_grad": nbytes([b.grad]),
+            "staging": nbytes([b.staging] if b.grad_staging is None or b.grad_staging is b.staging
+                              else [b.staging, b.grad_staging]),
+            "optimizer_state": nbytes(optimizer_state),
+            "estimate_scratch": nbytes(scratch),
+        }
+        report["library_total"] = sum(v for k, v in report.items() if k != "params")
+        return report

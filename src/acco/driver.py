@@ -1,0 +1,196 @@
+"""Hands rounds to the scheduler and collects them.
+
+:class:`RoundDriver` is the one owner of the round in flight and of what
+comes back from rounds: the collected result whose weights wait for the
+theta/theta~ swap (``progress.pending``), the round history behind
+``round_stats()``, the CUDA path's device reports not yet read, and the
+failure that ends training. It does not decide *when* a round is handed off
+(``optimizer.py`` does) nor what a round computes (``rounds.py``).
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import replace
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+import torch.distributed as dist
+
+from .agreement import hyper_fingerprint
+from .buffers import FlatBuffers
+from .progress import Progress
+from .rounds import (
+    HyperParameterMismatchError,
+    NonFiniteGradientError,
+    RoundContext,
+    RoundFailedError,
+    RoundKind,
+    RoundMismatchError,
+    RoundResult,
+    RoundSpec,
+    report_outcome,
+    run_round,
+)
+from .scheduler import StreamScheduler
+from .stats import RoundRecord
+
+__all__ = ["RoundDriver"]
+
+_ALL_RANKS_ALIKE = (NonFiniteGradientError, HyperParameterMismatchError, RoundMismatchError)
+
+
+class RoundDriver:
+    HISTORY_LIMIT = 100_000  # rounds kept for round_stats()
+    EVENTS_KEPT = 64  # CUDA: rounds whose timing events and count copies are held before they are settled
+
+    def __init__(self, ctx: RoundContext, scheduler: StreamScheduler, progress: Progress, flat: FlatBuffers,
+                 rank: int, world_size: int) -> None:
+        self.ctx, self.scheduler, self.progress, self.flat = ctx, scheduler, progress, flat
+        self.rank, self.world_size = rank, world_size
+        self.failed: Optional[BaseException] = None
+        self.last_grad_norm: Optional[torch.Tensor] = None
+        self.history: "deque[RoundRecord]" = deque(maxlen=self.HISTORY_LIMIT)
+        self._settled = 0  # records before this index hold no events (a deque index: shifts when full)
+        # CUDA path: rounds decided on the device whose reports the host has not read yet (oldest first).
+        self._unread: "deque[Tuple[Any, RoundResult]]" = deque()
+        self._round_tensors = flat.round_tensors()
+
+    def check_not_failed(self) -> None:
+        if self.failed is not None:
+            raise RuntimeError("AccoOptimizer: a previous round failed; this optimizer cannot continue") from self.failed
+
+    # ------------------------------------------------------------ hand-off
+
+    def handoff(self, kind: RoundKind, local_microbatches: int, grad_scale: Optional[float]) -> None:
+        """Start round ``kind`` on the gradients accumulated so far, with ``progress.update_hyper``."""
+        self.collect()
+        self.install_pending()  # the previous round's weights are the model's for the micro-batches after this hand-off
+        self.flat.handoff(commit=kind is RoundKind.COMMIT)
+        hyper = self.progress.update_hyper
+        spec = RoundSpec(
+            kind, local_microbatches, grad_scale, hyper, hyper_fingerprint(hyper),
+            2 * self.progress.num_rounds + int(kind is RoundKind.ESTIMATE),  # the same on every rank, or all raise
+        )
+        self.progress.num_rounds += 1
+        if kind is RoundKind.COMMIT:
+            self.progress.commits_handed_off += 1
+        ctx = replace(self.ctx)  # as of this hand-off (release_group() may clear the group later)
+        self.scheduler.submit(lambda: run_round(ctx, spec), uses=self._uses(hyper))
+
+    def _uses(self, hyper: List[Dict[str, Any]]) -> List[torch.Tensor]:
+        """CUDA path: what the side stream will touch that other streams may have allocated."""
+        if not self.scheduler.uses_streams:
+            return []
+        state = self.ctx.optimizer.state
+        return (self._round_tensors + [v for g in hyper for v in g.values() if torch.is_tensor(v)]
+                + [v for st in state.values() for v in st.values() if torch.is_tensor(v)])
+
+    # ------------------------------------------------------------ collection
+
+    def collect(self) -> Optional[RoundResult]:
+        """Wait for the in-flight round; its weights stay pending in the round buffer."""
+        if not self.scheduler.in_flight:
+            return None
+        try:
+            result = self.scheduler.wait()
+        except _ALL_RANKS_ALIKE as exc:
+            self.failed = exc
+            raise
+        except BaseException as exc:
+            self.failed = exc
+            raise RoundFailedError(
+                f"AccoOptimizer (rank {self.rank} of {self.world_size}): round {self.progress.num_rounds - 1} failed: "
+                f"{type(exc).__name__}: {exc}. The usual cause is a peer that died or stopped calling step() "
+                "(killed, out of memory, an exception in its own code, or it left its loop early): its own log "
+                "says which. This optimizer cannot continue; restart from the last checkpoint."
+            ) from exc
+        p = self.progress
+        if result.kind is RoundKind.COMMIT:
+            p.num_updates += 1
+            p.committed_mb += result.total_microbatches[0]  # compute side, ordered after the round
+            p.num_skipped_updates += int(bool(result.skipped))
+        if result.report is not None:
+            self._unread.append((self.scheduler.last_timing.end, result))
+        self.last_grad_norm = result.grad_norm
+        self._record(result)
+        p.pending = result.kind
+        return result
+
+    def _record(self, result: RoundResult) -> None:
+        ready = None
+        if self.scheduler.uses_streams:  # the history keeps pinned host copies, not device memory
+            counts = self.scheduler.host_empty((1 + self.world_size,), result.total_microbatches.dtype)
+            # compute stream, after the round (wait() ordered it): no host sync; read once `ready` completes
+            counts.copy_(torch.cat([result.total_microbatches, result.rank_microbatches]), non_blocking=True)
+            ready = self.scheduler.mark()
+            total, per_rank = counts[:1], counts[1:]
+        else:
+            total = result.total_microbatches.clone()  # the round's buffers are reused by the next round
+            per_rank = result.rank_microbatches.clone()
+        index = self.history[-1].index + 1 if self.history else 0
+        if len(self.history) == self.history.maxlen:
+            self._settled = max(0, self._settled - 1)  # the oldest record is about to go
+        self.history.append(RoundRecord(index, result.kind.value, result.local_microbatches, total, per_rank,
+                                        self.scheduler.last_timing, ready))
+        # CUDA: older rounds give their events back once complete, so the history holds plain numbers.
+        while self._settled < len(self.history) - self.EVENTS_KEPT and self.history[self._settled].settle():
+            self._settled += 1
+
+    def install_pending(self, commits_only: bool = False) -> None:
+        """theta/theta~ swap: put the collected round's weights into the model."""
+        p = self.progress
+        if p.pending is not None and (not commits_only or p.pending is RoundKind.COMMIT):
+            self.flat.install(self.scheduler)
+            p.holds_estimate = p.pending is RoundKind.ESTIMATE
+        p.pending = None
+
+    def read_reports(self, block: bool) -> None:
+        """CUDA path: read the reports of rounds the device has finished (``block``: of all of them, waiting
+        for the device) and raise what the CPU path raises inside the round. Without ``block`` this never
+        waits: an error surfaces at the first ``step()`` after the device has run the round."""
+        if block and self._unread:
+            self.scheduler.synchronize()  # host waits for the last round, hence for all before it (one stream)
+        while self._unread:
+            end, result = self._unread[0]
+            if not block and not end.query():
+                return
+            self._unread.popleft()
+            exc, skipped_on_device = report_outcome(result, self.ctx.nonfinite)
+            self.progress.num_skipped_updates += int(skipped_on_device)
+            if exc is not None:
+                self.failed = exc
+                self._unread.clear()
+                raise exc
+
+    # ------------------------------------------------------------ the end
+
+    def close(self, ok: bool) -> None:
+        """Stop the scheduler: after a failure the worker may be stuck in a collective with a dead peer, so it
+        is not waited for; otherwise (CUDA) the host waits for the last round's end before its group goes."""
+        self.scheduler.close(wait=ok, join_timeout=10.0 if ok else 0.0)
+        self.release_group()
+
+    def close_at_exit(self) -> bool:
+        """At interpreter exit without ``finish()``: let the in-flight round end, then release the round group.
+        No collective. Returns whether the group was released."""
+        stuck = self.failed is not None
+        if not stuck:
+            self.scheduler.synchronize()  # CUDA: the last round has finished on the device before its group goes
+        self.scheduler.close(wait=False, join_timeout=0.0 if stuck else 60.0)
+        if stuck or self.scheduler.worker_alive():
+            return False
+        self.release_group()
+        return True
+
+    def release_group(self) -> None:
+        """Destroy the process group the rounds used, now rather than at interpreter exit.
+
+        gloo's worker threads release finished work (and its Python tensors)
+        when the group is destroyed; if that happens during interpreter
+        finalisation the process aborts ("terminate called without an active
+        exception", pytorch/pytorch#190489).
+        """
+        group, self.ctx.group = self.ctx.group, None
+        if group is not None and dist.is_initialized():
+            dist.destroy_process_group(group)
