@@ -125,7 +125,7 @@ def test_fp32_accumulation_keeps_the_grad_contract():
     opt.finish()
 
 
-@pytest.mark.parametrize("discard", ["p.grad = None", "model.zero_grad()"])
+@pytest.mark.parametrize("discard", ["p.grad = None", "model.zero_grad()", "model.zero_grad(set_to_none=False)"])
 def test_fp32_accumulation_discards_like_torch(discard):
     """Setting .grad to None between backward passes discards the earlier ones, with fp32 accumulation exactly
     as with the accumulation buffer bound to .grad: the update is the later backward's gradient only."""
@@ -142,7 +142,7 @@ def test_fp32_accumulation_discards_like_torch(discard):
             for p in model.parameters():
                 p.grad = None
         else:
-            model.zero_grad()
+            model.zero_grad(set_to_none=not discard.endswith("False)"))
         model(x1).sum().backward()
         opt.step()
         moves[accumulation] = before - opt.state_dict()["master"]
@@ -152,6 +152,21 @@ def test_fp32_accumulation_discards_like_torch(discard):
     want = torch.cat([p.grad.float().flatten() for p in reference.parameters()])
     for got in moves.values():
         assert torch.allclose(got[: want.numel()], want, rtol=1e-2, atol=1e-2), (got[: want.numel()] - want).abs().max()
+
+
+def test_grad_with_fp32_accumulation_is_the_updates_bf16_sum_and_zero_after_step():
+    """bf16 compute, fp32 accumulation: p.grad (for logging) is the bf16 sum of the update's micro-batches so far,
+    and zero after step(), as in the loop where .grad is the accumulation buffer itself."""
+    model = torch.nn.Linear(4, 1, bias=False)
+    opt = AccoOptimizer(model.parameters(), mode="sync", microbatches_per_update=2, compute_dtype=torch.bfloat16, lr=0.1)
+    x = torch.ones(1, 4, dtype=torch.bfloat16)
+    for _ in range(2):  # no zero_grad() at all
+        for k in (1, 2):
+            model(x).sum().backward()
+            assert torch.equal(model.weight.grad, torch.full((1, 4), float(k), dtype=torch.bfloat16))
+        opt.step()
+        assert not model.weight.grad.any()
+    opt.finish()
 
 
 def _ddp_bucket_view_worker(rank, world):

@@ -80,6 +80,7 @@ class FlatBuffers:
         separate = separate_grads or self.fold_on_arrival
         self.grads = torch.zeros(n, dtype=cd, device=device) if separate else self.accum
         self.accum_views = layout.views(self.accum)
+        self._fold_task = -1  # the backward pass add_incoming last saw
         self.binding = GradBinding(self.params, layout.views(self.grads), self.grads)
         self.shard = ShardBuffers(
             comm=self.comm,
@@ -127,10 +128,12 @@ class FlatBuffers:
     @torch.no_grad()
     def handoff(self, commit: bool) -> None:
         """The gradient sum goes into the round buffer; a commit's leaves the accumulation (an estimate's
-        gradients count again in the commit)."""
+        gradients count again in the commit), and ``.grad`` is zero after it in every default loop."""
         self.comm.copy_(self.accum)
         if commit:
             self.accum.zero_()
+            if self.fold_on_arrival:  # .grad is the compute-dtype sum of its own: it goes with the update too
+                self.binding.zero_()
 
     @torch.no_grad()
     def fold(self, clip_hint) -> None:
@@ -143,6 +146,13 @@ class FlatBuffers:
     def add_incoming(self, index: int, grad: torch.Tensor) -> None:
         """``fold_on_arrival``: add parameter ``index``'s gradient from this backward into the accumulation,
         before autograd adds it into ``p.grad`` (which stays the compute-dtype sum torch makes)."""
+        task = torch._C._current_graph_task_id()
+        if task != self._fold_task:  # the first gradient of a backward pass
+            self._fold_task = task
+            if self.grads._version != self.binding.version:
+                # .grad was changed in place since the last backward (model.zero_grad(set_to_none=False), a
+                # scaling): the sum follows it, as torch's update would read it.
+                self.accum.copy_(self.grads)
         view = self.accum_views[index]
         if not self.binding.holds(index):  # the user set p.grad to None (or another tensor): discarded, as torch does
             view.zero_()

@@ -88,6 +88,11 @@ class GradBinding:
         g = self.params[i].grad
         return g is not None and not g.is_sparse and g.data_ptr() == self._ptrs[i]
 
+    @property
+    def version(self) -> int:
+        """The buffer's version when the library last saw ``.grad`` as backward or ``zero_grad()`` left it."""
+        return self._version
+
     def mark_backward_end(self) -> None:
         self._version = self.buffer._version
 
