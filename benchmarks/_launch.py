@@ -31,6 +31,13 @@ def torchrun_commands(worker_args: Sequence[str], ranks: int, loopback: bool, sc
     ]
 
 
+def check_loop(methods: Sequence[str], loop: str) -> None:
+    """Refuse, before any run, a method that ``worker.py`` refuses in ``loop``."""
+    if loop != "awc" and "acco-acc" in [m.partition(":")[0] for m in methods]:
+        sys.exit("acco-acc accumulates while a round is in flight, which only the awc loop "
+                 "(accumulate_while_communicating=True) does: drop it from --methods or use --loop awc")
+
+
 def run_worker(worker_args: Sequence[str], ranks: int, loopback: bool, env: Optional[Dict[str, str]] = None,
                timeout: float = 900.0, script: Path = WORKER) -> dict:
     """Run ``script`` (``worker.py``) on ``ranks`` ranks; return the record rank 0 wrote to ``--out``.

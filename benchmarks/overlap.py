@@ -1,12 +1,15 @@
-"""Overlap sweep: tokens/s and utilisation of acco, dpu, sync and torch DDP+ZeRO
-as the network gets slower, on the netns testbed (``netns.py``).
+"""Overlap sweep: tokens/s and utilisation of acco, dpu, sync, torch DDP and torch
+DDP+ZeRO as the network gets slower, on the netns testbed (``netns.py``).
 
     sudo .venv/bin/python benchmarks/overlap.py --rates 400,200,100,67,50 --out runs/bench/overlap.jsonl
-    .venv/bin/python benchmarks/report.py runs/bench/overlap.jsonl      # table + plot
+    .venv/bin/python benchmarks/report.py runs/bench/overlap.jsonl      # tables + plot
 
-For every rate (Mbit/s per rank and direction) the same ranks run each method
-in turn, compute-only first: utilisation = tokens/s / compute-only tokens/s at
-that point. The testbed is built for the run and torn down after it. Needs root
+For every rate (Mbit/s per rank and direction) the same ranks run every method
+once per repeat, the methods interleaved (A B C A B C ...: a noisy moment on a
+shared machine hits one repeat of every method, not every repeat of one);
+utilisation = tokens/s / compute-only tokens/s of the same repeat. Every record
+carries its ``repeat``; ``report.py`` gives the median and min-max over repeats.
+The testbed is built for the run and torn down after it. Needs root
 (namespaces, tc); ``--loopback`` runs everything on 127.0.0.1 instead (no rate
 limit, no root: what the CI smoke test does).
 """
@@ -25,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import _launch  # noqa: E402
 import netns  # noqa: E402
 
-DEFAULT_METHODS = "compute,acco,dpu,sync,ddp-zero"
+DEFAULT_METHODS = "compute,acco,dpu,sync,ddp,ddp-zero"
 SMOKE = ["--d-model", "64", "--layers", "2", "--seq-len", "32", "--micro-batch", "2", "--updates", "2", "--warmup", "1"]
 
 
@@ -34,6 +37,9 @@ def parse_args(argv=None, **defaults):
     p.add_argument("--rates", default="400,200,100,67,50", help="Mbit/s, comma-separated")
     p.add_argument("--methods", default=DEFAULT_METHODS,
                    help="worker.py methods; 'acco:ring0' runs acco with ACCO_RING=0 (gloo's own collectives)")
+    p.add_argument("--repeats", type=int, default=3, help="runs of every method at every rate, interleaved")
+    p.add_argument("--loop", choices=["awc", "update"], default="awc", help="worker.py --loop (library methods)")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "amp"], default="fp32", help="worker.py --dtype")
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--micro-batch", type=int, default=24)
     p.add_argument("--updates", type=int, default=6)
@@ -52,21 +58,24 @@ def parse_args(argv=None, **defaults):
 def worker_args(args, method: str):
     base = SMOKE if args.smoke else ["--micro-batch", str(args.micro_batch), "--updates", str(args.updates),
                                      "--warmup", str(args.warmup)]
-    return ["--method", method, *base, "--slow-rank", str(args.slow_rank), "--slow-factor", str(args.slow_factor)]
+    return ["--method", method, *base, "--slow-rank", str(args.slow_rank), "--slow-factor", str(args.slow_factor),
+            "--loop", args.loop, "--dtype", args.dtype]
 
 
-def run_point(args, rate) -> list:
+def run_point(args, rate, repeat: int) -> list:
+    """One repeat at one rate: every method once, in the order given."""
     records = []
     for spec in args.methods.split(","):
         method, _, variant = spec.partition(":")
         env = {"ACCO_RING": "0"} if variant == "ring0" else {}
         t0 = time.time()
         rec = _launch.run_worker(worker_args(args, method), args.ranks, args.loopback, env, args.timeout)
-        rec.update(tag=args.tag, rate_mbit=rate, label=spec, wall_s=time.time() - t0)
+        rec.update(tag=args.tag, rate_mbit=rate, label=spec, repeat=repeat, wall_s=time.time() - t0)
         records.append(rec)
         s = rec.get("summary") or {}
         extra = f"  round {s['round_s'] * 1e3:.0f} ms  hidden {s['hidden']:.2f}" if s.get("rounds") else ""
-        print(f"rate {rate} Mbit/s  {spec:10s} {rec['tokens_per_s']:9.0f} tokens/s{extra}", flush=True)
+        print(f"rate {rate} Mbit/s  repeat {repeat + 1}/{args.repeats}  {spec:10s} {rec['tokens_per_s']:9.0f} tokens/s"
+              f"{extra}  ({rec['wall_s']:.0f} s)", flush=True)
     base = next((r["tokens_per_s"] for r in records if r["method"] == "compute"), None)
     for r in records:
         r["utilisation"] = r["tokens_per_s"] / base if base else None
@@ -75,6 +84,7 @@ def run_point(args, rate) -> list:
 
 def main(argv=None, **defaults) -> None:
     args = parse_args(argv, **defaults)
+    _launch.check_loop(args.methods.split(","), args.loop)
     if not args.loopback and os.geteuid() != 0:
         sys.exit(f"{Path(sys.argv[0]).name} builds a network namespace per rank and rate-limits it with tc: "
                  "run it as root, or pass --loopback (no rate limit) to run without root.")
@@ -87,9 +97,10 @@ def main(argv=None, **defaults) -> None:
             for rate in rates:
                 if rate is not None:
                     netns.set_rate(rate, args.ranks)
-                for rec in run_point(args, rate):
-                    f.write(json.dumps(rec) + "\n")
-                    f.flush()
+                for repeat in range(args.repeats):
+                    for rec in run_point(args, rate, repeat):
+                        f.write(json.dumps(rec) + "\n")
+                        f.flush()
     finally:
         if not args.loopback:
             netns.down()

@@ -16,14 +16,32 @@ tokens, and one *update* = two micro-batches per rank:
                 per update after both micro-batches.
 * ``ddp-zero``  torch DDP + ZeroRedundancyOptimizer: the first micro-batch under
                 ``no_sync()``, the second all-reduces in its backward, then the step.
-* ``compute``   no communication: the two micro-batches and an AdamW step on a
-                1/N-sized slice (what every method computes), the denominator
+* ``ddp``       torch DDP + AdamW (every rank steps the whole model): the same
+                ``no_sync()`` loop; DDP's bucketed all-reduce overlaps the second backward.
+* ``compute``   no communication: the two micro-batches and an fp32 AdamW step on
+                a 1/N-sized slice (what every method computes), the denominator
                 of the utilisation.
+
+``--loop`` (library methods only; the others always run two micro-batches, then
+one step): ``awc`` drives the library with ``accumulate_while_communicating=True``
+and ``step()`` after every micro-batch, bounded as above; ``update`` is its
+default loop, ``microbatches_per_update=2``: two ``backward()``, one ``step()``,
+``zero_grad()``, as with a torch optimizer (``acco-acc`` needs ``awc``).
+
+``--dtype``: ``fp32``; ``bf16``: the library computes in bf16
+(``compute_dtype``; fp32 master, fp32 gradient accumulation), the other methods
+cast the model to bf16 (pure bf16: bf16 parameters, gradients and AdamW state);
+``amp``: the other methods keep fp32 parameters and run forward and loss under
+``torch.autocast("cpu", torch.bfloat16)`` (fp32 master and state, as the
+library); the library as with ``bf16``.
 
 Rank 0 writes a JSON record: tokens/s over the timed updates (tokens of
 committed updates only; the window runs from one hand-off to the hand-off of
-the last timed update, so the in-flight round is always one, as in a long run), per-round statistics of the library's methods
-(``AccoOptimizer.overlap_summary``), peak RSS and the library's buffer bytes.
+the last timed update, so the in-flight round is always one, as in a long run),
+dtype and loop, the size of one parameter-sized copy (fp32 and compute dtype),
+for the library's methods per-round statistics (``AccoOptimizer.overlap_summary``)
+and the options the optimizer holds, every rank's peak RSS, and the buffer bytes
+(``memory_report()``; for torch DDP, the tensors it holds).
 """
 
 from __future__ import annotations
@@ -50,7 +68,8 @@ import acco  # noqa: E402
 from acco import AccoOptimizer  # noqa: E402
 from acco.stats import nbytes, summarize  # noqa: E402
 
-METHODS = ["acco", "acco-acc", "dpu", "sync", "ddp-zero", "compute"]
+LIBRARY = ["acco", "acco-acc", "dpu", "sync"]
+METHODS = LIBRARY + ["ddp", "ddp-zero", "compute"]
 
 
 def parse_args(argv=None):
@@ -64,8 +83,15 @@ def parse_args(argv=None):
     p.add_argument("--updates", type=int, default=10, help="timed updates")
     p.add_argument("--slow-rank", type=int, default=-1)
     p.add_argument("--slow-factor", type=float, default=2.0, help="the slow rank sleeps (factor-1) x its compute")
+    p.add_argument("--loop", choices=["awc", "update"], default="awc",
+                   help="library methods: step() after every micro-batch (awc) or once per update (update)")
+    p.add_argument("--dtype", choices=["fp32", "bf16", "amp"], default="fp32")
     p.add_argument("--out", type=Path, default=None, help="rank 0 writes its JSON record here")
-    return p.parse_args(argv)
+    args = p.parse_args(argv)
+    if args.method == "acco-acc" and args.loop != "awc":
+        p.error("--method acco-acc accumulates while a round is in flight, which only the awc loop "
+                "(accumulate_while_communicating=True) does: run it with --loop awc")
+    return args
 
 
 def build(args, world: int):
@@ -83,18 +109,30 @@ class Runner:
         self.net, self.opt, self.done_updates, self.mb = model, None, 0, 0
         kw = dict(lr=1e-4, weight_decay=0.1)
         m = args.method
-        if m in ("acco", "acco-acc", "dpu", "sync"):
+        self.autocast = args.dtype == "amp" and m not in LIBRARY
+        if m in LIBRARY:
             mode = "acco" if m.startswith("acco") else m
-            lo, hi = (2, 2) if m == "sync" else (1, 1)
-            self.opt = AccoOptimizer(model.parameters(), mode=mode, accumulate_while_communicating=True, min_microbatches=lo,
-                                     max_microbatches=None if m == "acco-acc" else hi, **kw)
-        elif m == "ddp-zero":
+            if args.dtype != "fp32":
+                kw["compute_dtype"] = torch.bfloat16
+            if args.loop == "update":  # the default loop: two backward(), one step(), as any torch optimizer
+                self.opt = AccoOptimizer(model.parameters(), mode=mode, microbatches_per_update=2, **kw)
+            else:
+                lo, hi = (2, 2) if m == "sync" else (1, 1)
+                self.opt = AccoOptimizer(model.parameters(), mode=mode, accumulate_while_communicating=True,
+                                         min_microbatches=lo, max_microbatches=None if m == "acco-acc" else hi, **kw)
+            return
+        if args.dtype == "bf16":
+            model.to(torch.bfloat16)  # pure bf16: parameters, gradients and AdamW state
+        if m in ("ddp", "ddp-zero"):
             from torch.distributed.optim import ZeroRedundancyOptimizer
             from torch.nn.parallel import DistributedDataParallel as DDP
 
             self.net = DDP(model)
-            self.opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, **kw)
-        else:  # compute only: the sharded step's cost, no communication
+            if m == "ddp":
+                self.opt = torch.optim.AdamW(model.parameters(), **kw)
+            else:
+                self.opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, **kw)
+        else:  # compute only: the sharded step's cost (an fp32 slice, as the library's master), no communication
             numel = sum(p.numel() for p in model.parameters())
             self.shard = torch.zeros((numel + world - 1) // world, requires_grad=True)
             self.shard.grad = torch.randn_like(self.shard)
@@ -110,24 +148,26 @@ class Runner:
 
     def micro_batch(self, x, y) -> None:
         last = self.mb % 2 == 1
-        if self.method == "ddp-zero" and not last:
-            with self.net.no_sync():  # the first half accumulates locally
+        if self.net is not self.model and not last:  # DDP: the first half accumulates locally
+            with self.net.no_sync():
                 self._backward(x, y)
         else:
             self._backward(x, y)
-        if self.library:
+        if self.library and self.args.loop == "awc":  # a hand-off point after every micro-batch
             self.opt.step()
             self.opt.zero_grad()
         elif last:
             self.opt.step()
-            if self.method == "ddp-zero":
+            if self.method != "compute":
                 self.opt.zero_grad()
             self.done_updates += 1
         self.mb += 1
 
     def _backward(self, x, y) -> None:
-        logits = self.net(x)
-        F.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1)).backward()
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=self.autocast):
+            logits = self.net(x)
+            loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), y.reshape(-1))
+        loss.backward()
 
     def committed_microbatches(self) -> int:
         """All ranks' micro-batches in the updates done so far (the non-library methods)."""
@@ -138,10 +178,11 @@ class Runner:
             self.opt.finish()
 
 
-def ddp_zero_memory(runner: Runner) -> dict:
-    """Bytes this rank holds for DDP + ZeroRedundancyOptimizer, by buffer (as far as torch exposes them)."""
+def ddp_memory(runner: Runner) -> dict:
+    """Bytes this rank holds for DDP + AdamW or + ZeroRedundancyOptimizer, by buffer (as far as torch exposes them)."""
     params = list(runner.model.parameters())
-    state = [v for st in runner.opt.optim.state.values() for v in st.values()]
+    optim = getattr(runner.opt, "optim", runner.opt)  # ZeroRedundancyOptimizer: the AdamW of this rank's slice
+    state = [v for st in optim.state.values() for v in st.values()]
     buckets = runner.net._get_ddp_logging_data().get("bucket_sizes", "")
     report = {"params": nbytes(params), "grads": nbytes([p.grad for p in params]), "optimizer_state": nbytes(state)}
     # DDP's reducer buckets: bucket_sizes are in bytes, e.g. "26214400, 1048576"
@@ -188,15 +229,19 @@ def main(argv=None) -> None:
         "seq_len": args.seq_len, "updates": args.updates, "elapsed_s": elapsed,
         "tokens_per_s": mb * args.micro_batch * args.seq_len / elapsed,
         "microbatches": mb, "slow_rank": args.slow_rank, "slow_factor": args.slow_factor,
-        "acco_ring": os.environ.get("ACCO_RING", "default"),
+        "acco_ring": os.environ.get("ACCO_RING", "default"), "dtype": args.dtype, "loop": args.loop,
+        # one parameter-sized copy, in fp32 and in the compute dtype (bf16 for bf16 and amp)
+        "param_bytes_fp32": 4 * numel, "param_bytes_compute": (4 if args.dtype == "fp32" else 2) * numel,
         "step_call_s": sum(compute_s) / max(1, len(compute_s)),
     }
-    if runner.method == "ddp-zero":
-        record["memory"] = ddp_zero_memory(runner)
+    if runner.method in ("ddp", "ddp-zero"):
+        record["memory"] = ddp_memory(runner)
     if runner.library:
         record["rounds"] = rounds
         record["summary"] = summarize(rounds)
         record["memory"] = runner.opt.memory_report()
+        record["options"] = {k: str(getattr(runner.opt, k, None)) for k in (  # as the optimizer holds them
+            "mode", "accumulate_while_communicating", "microbatches_per_update", "compute_dtype", "accumulation_dtype")}
     maxrss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024], dtype=torch.float64)
     rss = [torch.zeros_like(maxrss) for _ in range(world)]
     dist.all_gather(rss, maxrss)
