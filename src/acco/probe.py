@@ -20,6 +20,7 @@ run it.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import math
 import os
@@ -191,6 +192,8 @@ def main(argv: Optional[List[str]] = None) -> None:
                 lines.append("  note: one process has no network; run it under torchrun on your nodes.")
             print("\n".join(lines))
     if dist.is_initialized():
+        gc.collect()  # free gloo's finished work (and its tensors) while the group still exists
+        dist.barrier()  # no rank tears its group down while another still talks on it
         dist.destroy_process_group()
 
 
