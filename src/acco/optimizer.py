@@ -42,8 +42,9 @@ from .collectives import group_rank, group_size, ring_algorithm
 from .driver import RoundDriver
 from .introspection import Introspection
 from .layout import FlatLayout
+from .loops import ElasticLoop, UpdateLoop
 from .progress import Progress
-from .rounds import OptimizerSnapshot, RoundContext, RoundKind, round_kind
+from .rounds import OptimizerSnapshot, RoundContext, RoundKind
 from .scheduler import StreamScheduler
 
 __all__ = ["AccoOptimizer", "hyper_fingerprint"]
@@ -211,6 +212,7 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         self._ddp_checked = False
         self._lr_schedulers: List[Any] = []
         self._backward_queued = -1  # id of the autograd graph task whose end-of-backward callback is queued
+        self._loop = ElasticLoop(self) if self.accumulate_while_communicating else UpdateLoop(self)
         self._constructed = True  # add_param_group() from here on would change the layout: refused
         self._hook_handles = hooks.install(self, self._params, self._flat.fold_on_arrival)
         hooks.LIVE.add(self)  # closed at interpreter exit if finish() never came
@@ -232,10 +234,6 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
     @_failed.setter
     def _failed(self, exc: Optional[BaseException]) -> None:
         self._driver.failed = exc
-
-    @property
-    def _round_group(self) -> Optional[dist.ProcessGroup]:
-        return self._driver.ctx.group
 
     # ------------------------------------------------------------------ checks
 
@@ -287,7 +285,7 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
             raise RuntimeError("AccoOptimizer: backward() inside opt.committed_weights(); call it after the block")
         self._flat.binding.after_accumulate(index)
         self._progress.at_boundary = False
-        if self.accumulate_while_communicating:
+        if not self._loop.queues_end_of_backward:
             return
         task = torch._C._current_graph_task_id()
         if task != self._backward_queued:
@@ -302,19 +300,10 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
 
     def _after_backward(self) -> None:
-        """A micro-batch's backward has finished (one step() per update). In mode acco, the backward that
-        completes the first half of the update hands off the estimate round and puts theta_t in the model."""
+        """A micro-batch's backward has finished (one step() per update); the loop may hand off the estimate."""
         self._check_ddp_once()  # before any round (an estimate may go next); DDP's own end-of-backward is done
         self._flat.binding.mark_backward_end()
-        p = self._progress
-        p.mb_in_update += 1
-        p.at_boundary = False
-        m = p.microbatches_per_update
-        if self.mode == "acco" and m is not None and not p.estimate_in_update and p.mb_in_update == m // 2:
-            self._check_open()
-            p.update_hyper = self._hyperparams()  # both rounds of one update use the same
-            self._driver.handoff(RoundKind.ESTIMATE, p.mb_in_update, m / (p.mb_in_update * self.world_size))
-            p.estimate_in_update = True
+        self._loop.after_backward()
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Discard the gradients of the micro-batches since the last ``step()``, as torch's optimizers do.
@@ -326,17 +315,7 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         that raises. With ``accumulate_while_communicating`` the gradients
         already given to ``step()`` belong to the library and are kept.
         """
-        p = self._progress
-        if p.estimate_in_update:
-            raise RuntimeError(
-                "AccoOptimizer.zero_grad() in the middle of an update whose estimate round (its first "
-                f"{p.microbatches_per_update // 2} micro-batches) is already handed off: those gradients cannot "
-                "be discarded. Call zero_grad() after step() (or before the update's first backward())"
-            )
-        self._flat.zero_grads(update_loop=not self.accumulate_while_communicating)
-        if not self.accumulate_while_communicating:
-            p.mb_in_update = 0
-            p.at_boundary = True
+        self._loop.zero_grad()
 
     def _hyperparams(self) -> List[Dict[str, Any]]:
         return [
@@ -362,76 +341,8 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._check_ddp_once()
-        if self.accumulate_while_communicating:
-            self._elastic_step()
-        else:
-            self._update_step()
+        self._loop.step()
         return loss
-
-    def _update_step(self) -> None:
-        p = self._progress
-        m = p.mb_in_update
-        if m == 0:
-            raise RuntimeError(
-                "AccoOptimizer.step(): no gradient reached this optimizer's parameters since the last step(). "
-                "Either no backward() ran (one step() is one update of the backward() calls before it), or the "
-                "model's parameters were replaced after AccoOptimizer was built (model.to() to another device "
-                "type, load_state_dict(assign=True), ...): build the optimizer after moving the model"
-            )
-        self._flat.binding.check_untouched(self._clip_hint)
-        synchronous = self.mode == "sync"
-        if self.mode == "acco" and p.microbatches_per_update is None:
-            self._learn_microbatches(m)
-            synchronous = True
-        elif p.microbatches_per_update is not None and m > p.microbatches_per_update:
-            raise RuntimeError(
-                f"AccoOptimizer.step() after {m} backward() calls, but this optimizer takes "
-                f"microbatches_per_update={p.microbatches_per_update} (fewer are fine, e.g. at the end of an "
-                "epoch): call step() after that many, or build the optimizer with the number you run"
-            )
-        elif self.mode == "acco" and not p.estimate_in_update:
-            synchronous = True  # a short update (fewer than half the micro-batches): no estimate, no overlap
-        if not p.estimate_in_update:
-            p.update_hyper = self._hyperparams()
-        self._driver.handoff(RoundKind.COMMIT, m, 1.0 / self.world_size)
-        p.mb_in_update = 0
-        p.estimate_in_update = False
-        self._after_handoff(RoundKind.COMMIT, synchronous)
-
-    def _learn_microbatches(self, m: int) -> None:
-        """Mode acco without microbatches_per_update: the first update's count, the same on every rank."""
-        counts = [row[0] for row in self._all_gather_row([m])] if self._group is not None else [m]
-        if len(set(counts)) > 1:
-            raise RuntimeError(
-                f"AccoOptimizer.step(): the ranks ran different numbers of micro-batches in the first update "
-                f"{counts} (rank i at index i); run the same number on every rank, or pass "
-                "accumulate_while_communicating=True for ranks of unequal speed"
-            )
-        if m < 2:
-            raise ValueError(V.ACCO_NEEDS_TWO.format(m=m))
-        self.microbatches_per_update = m
-        log.info("acco: %d micro-batches per update (learned from the first update, which ran synchronously)", m)
-
-    def _elastic_step(self) -> None:
-        p = self._progress
-        self._flat.fold(self._clip_hint)
-        p.at_boundary = False
-        p.since_handoff += 1
-        p.in_accum += 1
-        if p.since_handoff < self.min_microbatches:
-            return
-        # Accumulate while you communicate: keep computing while the round is in flight, unless the bound is reached.
-        if not self.scheduler.done() and (self.max_microbatches is None or p.since_handoff < self.max_microbatches):
-            return
-        kind = round_kind(self.mode, p.num_rounds)
-        count = p.in_accum
-        if kind is RoundKind.COMMIT:
-            p.in_accum = 0
-        p.since_handoff = 0
-        if self.mode != "acco" or kind is RoundKind.ESTIMATE:
-            p.update_hyper = self._hyperparams()  # both rounds of one acco update use the same
-        self._driver.handoff(kind, count, None)
-        self._after_handoff(kind, self.mode == "sync")
 
     def _after_handoff(self, kind: RoundKind, synchronous: bool) -> None:
         """After a hand-off, in both loops: a synchronous round completes and its weights go into the model;
