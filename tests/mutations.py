@@ -10,8 +10,8 @@ cases = [
   "        self.install_pending()  # the previous round's weights are the model's for the micro-batches after this hand-off",
   "        self.install_pending() if kind is RoundKind.COMMIT else None",
   "tests/test_update_equivalence.py"),
- ("M2 estimate not extrapolated", "src/acco/optimizer.py",
-  "m / (p.mb_in_update * self.world_size))", "1.0 / self.world_size)", "tests/test_update_equivalence.py"),
+ ("M2 estimate not extrapolated", "src/acco/loops.py",
+  "m / (p.mb_in_update * opt.world_size))", "1.0 / opt.world_size)", "tests/test_update_equivalence.py"),
  ("M3 end-of-backward not re-queued behind DDP", "src/acco/optimizer.py",
   "        torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)",
   "        self._after_backward()", "tests/test_dropin.py -k ddp"),
@@ -64,6 +64,11 @@ cases = [
  ("M26 no wait-end event", "src/acco/scheduler.py",
   "            timing.wait_end.record(compute)  # compute stream: resumes after the round (for wait_s only)\n", "",
   "tests/test_stream_protocol.py -k oracle"),
+ ("M27 .grad changed in place between backward passes not followed (bf16, fp32 sum)", "src/acco/buffers.py",
+  "                self.accum.copy_(self.grads)\n", "                pass\n", "tests/test_gpu_defects.py -k discards"),
+ ("M28 Opt* output written before its gradient is read", "src/acco/functional.py",
+  "    covered = 0  # pieces are in master order", "    out.copy_(master)\n    covered = 0  # pieces are in master order",
+  "tests/test_functional.py"),
 ]
 only = sys.argv[1:]
 for name, path, old, new, tests in cases:
