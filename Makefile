@@ -32,14 +32,16 @@ study: $(VENV)/.ready
 	$(PY) examples/gpt/study.py --out runs/study --steps 600 --eval-every 50
 
 ## The benchmarks of docs/benchmarks.md (root: network namespaces and tc). Every point 3 times, the methods
-## interleaved; report.py gives median [min-max]. Duration on 2 cores not measured yet.
+## interleaved; report.py gives median [min-max]. On 2 cores (2026-11-23): overlap 29 min, hetero 14 min,
+## memory 28 min (partly alongside a test run), about 70 minutes in all.
 ## Records are appended: start from an empty runs/bench (move an earlier run's records away first).
 bench: $(VENV)/.ready
 	@test ! -e runs/bench || { echo "runs/bench exists: move the earlier run's records away first"; exit 1; }
 	$(PY) benchmarks/overlap.py --rates 500,125,62 --repeats 3 \
 		--methods compute,acco,acco:ring0,dpu,sync,ddp,ddp-zero --out runs/bench/overlap.jsonl
 	$(PY) benchmarks/hetero.py --rates 125 --repeats 3 --out runs/bench/hetero.jsonl
-	$(PY) benchmarks/memory.py --ranks 2,4 --dtypes fp32,bf16 --repeats 3 --out runs/bench/memory.jsonl
+	$(PY) benchmarks/memory.py --ranks 2,4 --dtypes fp32,bf16 --repeats 3 --methods acco,dpu,sync,ddp,ddp-zero \
+		--out runs/bench/memory.jsonl
 	$(PY) benchmarks/report.py runs/bench/overlap.jsonl runs/bench/hetero.jsonl runs/bench/memory.jsonl \
 		--plot docs/benchmarks_overlap.png
 

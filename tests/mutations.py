@@ -69,6 +69,9 @@ cases = [
  ("M28 Opt* output written before its gradient is read", "src/acco/functional.py",
   "    covered = 0  # pieces are in master order", "    out.copy_(master)\n    covered = 0  # pieces are in master order",
   "tests/test_functional.py"),
+ ("M29 Opt* by snapshot not restored", "src/acco/rounds.py",
+  "        snapshot.restore(optimizer, params, b.master)  # Opt*: leave theta and state untouched\n", "        pass\n",
+  "tests/test_functional.py -k oracle"),
 ]
 only = sys.argv[1:]
 for name, path, old, new, tests in cases:

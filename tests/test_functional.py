@@ -71,3 +71,46 @@ def test_estimate_equals_the_optimizers_step_and_changes_nothing(name, cls, kw, 
 def test_unsupported_optimizers_keep_the_snapshot_path(cls, kw):
     p = torch.nn.Parameter(torch.ones(3))
     assert not functional.supports(cls([p], **kw))
+
+
+ROUND_CASES = [
+    ("rmsprop-momentum (snapshot)", torch.optim.RMSprop, dict(lr=1e-2, momentum=0.9, weight_decay=0.01)),
+    ("adamw-amsgrad (snapshot)", torch.optim.AdamW, dict(lr=1e-2, amsgrad=True)),
+    ("adagrad (snapshot)", torch.optim.Adagrad, dict(lr=1e-1)),
+    ("adamw (functional)", torch.optim.AdamW, dict(lr=1e-2, weight_decay=0.1)),
+    ("sgd-nesterov (functional)", torch.optim.SGD, dict(lr=1e-1, momentum=0.9, nesterov=True)),
+]
+
+
+@pytest.mark.parametrize("name,cls,kw", ROUND_CASES, ids=[c[0] for c in ROUND_CASES])
+def test_estimate_round_equals_the_oracles_opt_star(name, cls, kw):
+    """A whole ESTIMATE round (one process: the collectives are copies) gives the oracle's Opt*(theta, g), by the
+    snapshot or the functional way, and leaves the master slice and the optimizer state as they were."""
+    from oracle import _opt_star
+
+    from acco.rounds import OptimizerSnapshot, RoundContext, RoundKind, RoundSpec, ShardBuffers, run_round
+
+    g = torch.Generator().manual_seed(3)
+    n = 37
+    master = torch.randn(n, generator=g)
+    grad = torch.zeros(n)
+    master.grad = grad
+    opt = cls([master], **kw)
+    for _ in range(2):  # some state
+        grad.copy_(torch.randn(n, generator=g))
+        opt.step()
+    assert functional.supports(opt) == name.endswith("(functional)")
+    gradient_sum = torch.randn(n, generator=g)  # this rank's sum over 2 micro-batches
+    want = _opt_star(opt, lambda ps: cls(ps, **kw), [master.detach()], [gradient_sum * 0.5])[0]
+    before_master = master.detach().clone()
+    before_state = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in opt.state[master].items()}
+    f64 = dict(dtype=torch.float64)
+    buffers = ShardBuffers(comm=gradient_sum.clone(), weights=torch.full((n,), float("nan")), master=master, grad=grad,
+                           count=torch.zeros(1), rank_counts=torch.zeros(1), row=torch.zeros(3, **f64),
+                           rows=torch.zeros(3, **f64))
+    hyper = [{k: v for k, v in opt.param_groups[0].items() if k != "params"}]
+    run_round(RoundContext(buffers, opt, [master], None, OptimizerSnapshot()), RoundSpec(RoundKind.ESTIMATE, 2, 0.5, hyper))
+    assert torch.allclose(buffers.weights, want, rtol=1e-6, atol=1e-7), (buffers.weights - want).abs().max()
+    assert torch.equal(master.detach(), before_master), "theta must not move"
+    for k, v in before_state.items():
+        assert torch.equal(opt.state[master][k], v) if torch.is_tensor(v) else opt.state[master][k] == v, k
