@@ -169,6 +169,38 @@ def test_grad_with_fp32_accumulation_is_the_updates_bf16_sum_and_zero_after_step
     opt.finish()
 
 
+@pytest.mark.parametrize("case", ["model.to(cpu:0) between micro-batches", "p.grad = None before step()",
+                                  "torch.autograd.grad between micro-batches", "built under no_grad()"])
+def test_fp32_accumulation_follows_grad_like_the_bound_buffer(case):
+    """bf16 compute: with the separate fp32 sum (default) the update equals the one with .grad bound to the
+    accumulation buffer (accumulation_dtype=bf16) whatever the loop does to .grad, up to bf16 rounding."""
+    torch.manual_seed(0)
+    xs = [torch.randn(4, 5).bfloat16() for _ in range(2)]
+    moves = {}
+    for accumulation in (None, torch.bfloat16):
+        model = make_model().bfloat16()
+        kw = dict(mode="sync", lr=1.0, microbatches_per_update=2, accumulation_dtype=accumulation)
+        if case == "built under no_grad()":
+            with torch.no_grad():
+                opt = AccoOptimizer(model.parameters(), torch.optim.SGD, **kw)
+        else:
+            opt = AccoOptimizer(model.parameters(), torch.optim.SGD, **kw)
+        before = opt.state_dict()["master"].clone()
+        model(xs[0]).sum().backward()
+        if case.startswith("model.to"):
+            model.to("cpu:0")
+        elif case.startswith("torch.autograd.grad"):
+            torch.autograd.grad(model(xs[1]).square().sum(), list(model.parameters()))  # not a micro-batch
+        model(xs[1]).sum().backward()
+        if case.startswith("p.grad = None"):
+            next(model.parameters()).grad = None
+        opt.step()
+        moves[accumulation] = before - opt.state_dict()["master"]
+        opt.finish()
+    assert moves[None].abs().sum() > 0
+    assert torch.allclose(moves[None], moves[torch.bfloat16], rtol=2e-2, atol=2e-2), (moves[None] - moves[torch.bfloat16]).abs().max()
+
+
 def _ddp_bucket_view_worker(rank, world):
     from torch.nn.parallel import DistributedDataParallel
 

@@ -145,7 +145,9 @@ class FlatBuffers:
     @torch.no_grad()
     def add_incoming(self, index: int, grad: torch.Tensor) -> None:
         """``fold_on_arrival``: add parameter ``index``'s gradient from this backward into the accumulation,
-        before autograd adds it into ``p.grad`` (which stays the compute-dtype sum torch makes)."""
+        before autograd adds it into ``p.grad`` (which stays the compute-dtype sum torch makes). Called from a
+        pre-hook of the parameter's gradient accumulator, so only what autograd puts into ``.grad`` counts
+        (not ``torch.autograd.grad``'s results)."""
         task = torch._C._current_graph_task_id()
         if task != self._fold_task:  # the first gradient of a backward pass
             self._fold_task = task
@@ -154,7 +156,7 @@ class FlatBuffers:
                 # scaling): the sum follows it, as torch's update would read it.
                 self.accum.copy_(self.grads)
         view = self.accum_views[index]
-        if not self.binding.holds(index):  # the user set p.grad to None (or another tensor): discarded, as torch does
+        if self.binding.discarded(index):  # the user set p.grad to None (or another tensor): discarded, as torch does
             view.zero_()
         view.add_(grad.to_dense() if grad.is_sparse else grad)
 
@@ -167,10 +169,26 @@ class FlatBuffers:
             self.accum.zero_()
 
     @torch.no_grad()
+    def drop_accumulated(self) -> None:
+        """The gradient sum goes (``finish()``: micro-batches whose ``step()`` never came); ``.grad`` stays."""
+        self.accum.zero_()
+
+    @torch.no_grad()
     def reset(self) -> None:
-        """Nothing accumulated (after ``finish()`` or a load)."""
+        """Nothing accumulated, ``.grad`` zero and bound (after a load)."""
         self.accum.zero_()
         self.binding.zero_()
+
+    @torch.no_grad()
+    def check_untouched(self, clip_hint, strict: bool = True) -> None:
+        """Before a hand-off: raise if ``.grad`` was changed in place (see ``GradBinding``). With a separate
+        fp32 sum, a ``.grad`` the user set to ``None`` since the last backward discards that parameter's sum too,
+        as torch would see no gradient."""
+        if self.fold_on_arrival:
+            for i, p in enumerate(self.params):
+                if p.grad is None:
+                    self.accum_views[i].zero_()
+        self.binding.check_untouched(clip_hint, strict)
 
     # ------------------------------------------------------------ weights
 

@@ -10,7 +10,7 @@ indices, never ``id(p)``::
     state/K   flat optimizer state K (AdamW: exp_avg, ...)      /  (DCP: 1-D DTensors, Shard(0))
     scalars/K per-parameter scalar state (AdamW: step), one value per parameter
     hyper/G.K numeric hyper-parameter K of param group G (lr, betas, ...)
-    counters  see _COUNTERS
+    counters  the saved progress (``progress.Progress.SAVED``, in that order)
 
 and what they are: ``acco`` (``opt.state_dict()``: format, mode, wrapped
 optimizer, layout, and the rank and world size whose slice it holds) or
@@ -48,6 +48,7 @@ from .shard_state import (
     check_loadable,
     consolidated_state_dict,
     decode_meta,
+    describe,
     load_consolidated_state_dict,
     load_state_dict,
     meta_template,
@@ -64,6 +65,7 @@ __all__ = [
     "FORMAT_VERSION",
     "IMPLEMENTATION_FLAGS",
     "consolidated_state_dict",
+    "describe",
     "load",
     "load_consolidated_state_dict",
     "load_state_dict",
@@ -173,9 +175,12 @@ def load(path: str, optimizer: "AccoOptimizer", *, model: Optional[torch.nn.Modu
     }
     trained = {}  # the model's entries that are this optimizer's parameters: restored from its slices instead
     if model is not None:
-        live = model.state_dict(keep_vars=True)
-        mine = {id(p) for g in optimizer.param_groups for p in g["params"]}
-        trained = {k: v for k, v in live.items() if id(v) in mine}
+        try:
+            live = model.state_dict(keep_vars=True)
+            mine = {id(p) for g in optimizer.param_groups for p in g["params"]}
+            trained = {k: v for k, v in live.items() if id(v) in mine}
+        except TypeError:  # a state_dict() override without keep_vars: every entry into a copy, as before
+            live = model.state_dict()
         # The rest into copies (buffers, frozen parameters): the model changes only once everything is verified.
         sd["model"] = {k: torch.empty_like(v) for k, v in live.items() if k not in trained}
     sd["checksums"] = {k: torch.zeros((), dtype=torch.int64) for k in sum_keys}

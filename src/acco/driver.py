@@ -5,7 +5,7 @@ comes back from rounds: the collected result whose weights wait for the
 theta/theta~ swap (``progress.pending``), the round history behind
 ``round_stats()``, the CUDA path's device reports not yet read, and the
 failure that ends training. It does not decide *when* a round is handed off
-(``optimizer.py`` does) nor what a round computes (``rounds.py``).
+(``loops.py`` does) nor what a round computes (``rounds.py``).
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""``Opt*`` without a snapshot: the estimate ``theta~ = Opt*(theta, g)`` computed into a buffer of its own.
+"""``Opt*`` without a snapshot: the estimate ``theta~ = Opt*(theta, g)`` computed into the all-gather's input.
 
 An estimate round must leave the master slice and the optimizer state as they
 were (``docs/algorithm.md``). The general way (``snapshot.OptimizerSnapshot``)

@@ -83,6 +83,13 @@ class GradBinding:
         self.params[i].grad = view
         return view
 
+    def discarded(self, i: int) -> bool:
+        """Whether the user discarded ``p.grad`` of parameter ``i`` (set it to ``None`` or another tensor) since
+        the library bound it; ``.grad`` moved with the model (``model.to()``: the same view object, new memory)
+        is not discarded."""
+        g = self.params[i].grad
+        return g is None or (g is not self.views[i] and not self.holds(i))
+
     def holds(self, i: int) -> bool:
         """Whether ``p.grad`` of parameter ``i`` is still the buffer's view (not None, not another tensor)."""
         g = self.params[i].grad

@@ -29,8 +29,24 @@ def install(opt: "AccoOptimizer", params: Sequence[torch.Tensor], fold_on_arriva
     ref = weakref.ref(opt)
     handles = [p.register_post_accumulate_grad_hook(partial(_after_accumulate, ref, i)) for i, p in enumerate(params)]
     if fold_on_arrival:  # each backward's gradient is summed in accumulation_dtype as it arrives
-        handles += [p.register_hook(partial(_before_accumulate, ref, i)) for i, p in enumerate(params)]
+        for i, p in enumerate(params):
+            # The parameter's gradient accumulator (kept alive by the handle, as DDP keeps it): its pre-hook sees
+            # exactly what autograd adds into .grad, and not torch.autograd.grad's results.
+            with torch.enable_grad():  # the optimizer may be built under no_grad()
+                accumulator = p.view_as(p).grad_fn.next_functions[0][0]
+            handles.append(_Held(accumulator.register_prehook(partial(_before_accumulate, ref, i)), accumulator))
     return handles
+
+
+class _Held:
+    """A hook handle that also keeps the node it is registered on alive."""
+
+    def __init__(self, handle: Any, node: Any) -> None:
+        self.handle, self.node = handle, node
+
+    def remove(self) -> None:
+        self.handle.remove()
+        self.node = None
 
 
 def _after_accumulate(ref: "weakref.ref[AccoOptimizer]", index: int, _param: torch.Tensor) -> None:
@@ -39,12 +55,12 @@ def _after_accumulate(ref: "weakref.ref[AccoOptimizer]", index: int, _param: tor
         opt._on_grad_accumulated(index)
 
 
-def _before_accumulate(ref: "weakref.ref[AccoOptimizer]", index: int, grad: torch.Tensor) -> None:
-    """Tensor hook on parameter ``index`` with ``accumulation_dtype`` != compute dtype: this backward's gradient
-    (all its uses summed), before autograd adds it into ``p.grad``, is added into the accumulation buffer."""
+def _before_accumulate(ref: "weakref.ref[AccoOptimizer]", index: int, grads: Any) -> None:
+    """Pre-hook of parameter ``index``'s gradient accumulator with ``accumulation_dtype`` != compute dtype: this
+    backward's gradient (all its uses summed), before autograd adds it into ``p.grad``, goes into the sum."""
     opt = ref()
-    if opt is not None and not opt._finished:
-        opt._flat.add_incoming(index, grad)
+    if opt is not None and not opt._finished and grads[0] is not None:
+        opt._flat.add_incoming(index, grads[0])
     return None
 
 

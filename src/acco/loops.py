@@ -75,7 +75,7 @@ class UpdateLoop:
                 "model's parameters were replaced after AccoOptimizer was built (model.to() to another device "
                 "type, load_state_dict(assign=True), ...): build the optimizer after moving the model"
             )
-        opt._flat.binding.check_untouched(opt._clip_hint)
+        opt._flat.check_untouched(opt._clip_hint)
         synchronous = opt.mode == "sync"
         if opt.mode == "acco" and p.microbatches_per_update is None:
             self._learn_microbatches(m)

@@ -1,7 +1,8 @@
 """AccoOptimizer: the ``torch.optim.Optimizer`` front of the library.
 
-This file only orchestrates: when to hand gradients to a round, which kind of
-round, when a finished round's weights go into the model. The state has
+This file only orchestrates: construction, ``step()``, the backward callbacks,
+the committed weights and ``finish()``. When to hand gradients to a round and
+which kind is ``loops.py``. The state has
 owners of its own: the flat buffers (``buffers.py``), the counters and
 hand-off flags (``progress.py``), the round in flight and what comes back from
 rounds (``driver.py``); what a round computes is ``rounds.py``, where it runs
@@ -121,6 +122,9 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
     Whether communication is hidden: :meth:`round_stats`,
     :meth:`overlap_summary`; memory: :meth:`memory_report`.
     """
+
+    HISTORY_LIMIT = RoundDriver.HISTORY_LIMIT  # rounds kept for round_stats()
+    EVENTS_KEPT = RoundDriver.EVENTS_KEPT  # CUDA: rounds whose events are held before they are settled
 
     def __init__(
         self,
@@ -406,8 +410,8 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         try:
             try:
                 agreement.check_same_round_count(self._group, self.num_rounds, self._params[0].device)
-            except RuntimeError:
-                self._failed = RuntimeError("round count mismatch")
+            except RuntimeError as exc:  # the counts differ, or a peer is gone: no round can complete
+                self._failed = exc
                 raise
             self._driver.collect()
             self._driver.install_pending(commits_only=True)
@@ -415,7 +419,7 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         finally:
             self._finished = True
             self._driver.close(ok=self._failed is None)
-        self._flat.reset()
+        self._flat.drop_accumulated()
         self._progress.holds_estimate = False
         self._progress.start_window()
         self._remove_hooks()

@@ -22,8 +22,9 @@ from .progress import Progress
 if TYPE_CHECKING:  # pragma: no cover
     from .optimizer import AccoOptimizer
 
-__all__ = ["FORMAT_VERSION", "IMPLEMENTATION_FLAGS", "check_loadable", "consolidated_state_dict", "describe",
-           "load_consolidated_state_dict", "load_state_dict", "scalar_state", "state_dict", "template"]
+__all__ = ["FORMAT_VERSION", "IMPLEMENTATION_FLAGS", "check_compatible", "check_loadable", "consolidated_state_dict",
+           "decode_meta", "describe", "load_consolidated_state_dict", "load_state_dict", "meta_template",
+           "scalar_state", "state_dict", "template"]
 
 
 # --------------------------------------------------------------------- helpers
@@ -300,6 +301,11 @@ def check_loadable(opt: "AccoOptimizer", sd: Dict[str, Any]) -> None:
                 raise CheckpointError("AccoOptimizer.load_state_dict(): the state dict has no checksums. Nothing was loaded.")
             body = {k: v for k, v in sd.items() if k not in ("acco", "checksums")}
             verify(opt, {"optim": body}, sd["checksums"], "AccoOptimizer.load_state_dict()")
+        if tuple(sd["counters"].shape) != (len(Progress.SAVED),):
+            raise CheckpointError(
+                f"AccoOptimizer.load_state_dict(): the state dict holds {tuple(sd['counters'].shape)} counters, this "
+                f"acco saves {len(Progress.SAVED)} {Progress.SAVED}: written by another acco version. Nothing was loaded."
+            )
         saved_m = Progress.saved_field(sd["counters"], "microbatches_per_update") or None
         if saved_m is not None and opt.microbatches_per_update not in (None, saved_m):
             raise ValueError(
