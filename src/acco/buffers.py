@@ -179,16 +179,12 @@ class FlatBuffers:
         self.accum.zero_()
         self.binding.zero_()
 
-    @torch.no_grad()
-    def check_untouched(self, clip_hint, strict: bool = True) -> None:
+    def check_untouched(self, clip_hint) -> None:
         """Before a hand-off: raise if ``.grad`` was changed in place (see ``GradBinding``). With a separate
         fp32 sum, a ``.grad`` the user set to ``None`` since the last backward discards that parameter's sum too,
         as torch would see no gradient."""
-        if self.fold_on_arrival:
-            for i, p in enumerate(self.params):
-                if p.grad is None:
-                    self.accum_views[i].zero_()
-        self.binding.check_untouched(clip_hint, strict)
+        discard = (lambda i: self.accum_views[i].zero_()) if self.fold_on_arrival else None
+        self.binding.check_untouched(clip_hint, on_discard=discard)
 
     # ------------------------------------------------------------ weights
 

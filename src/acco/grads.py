@@ -25,7 +25,7 @@ and what this module does about it:
 
 from __future__ import annotations
 
-from typing import Callable, Sequence
+from typing import Any, Callable, Optional, Sequence
 
 import torch
 
@@ -103,9 +103,11 @@ class GradBinding:
     def mark_backward_end(self) -> None:
         self._version = self.buffer._version
 
-    def check_untouched(self, fix: Callable[[], str], strict: bool = True) -> None:
+    def check_untouched(self, fix: Callable[[], str], strict: bool = True,
+                        on_discard: Optional[Callable[[int], Any]] = None) -> None:
         """Raise if ``.grad`` changed since the last backward (other than through autograd), else re-bind
-        any ``p.grad`` the user set to ``None`` (its gradient counts as zero, as torch's optimizers skip it)."""
+        any ``p.grad`` the user set to ``None`` (its gradient counts as zero, as torch's optimizers skip it;
+        ``on_discard(i)`` is told, for a sum kept elsewhere)."""
         if strict and self.buffer._version != self._version:
             raise RuntimeError(
                 "AccoOptimizer.step(): p.grad was modified in place between backward() and step() (e.g. by "
@@ -119,6 +121,8 @@ class GradBinding:
                 if g is None:
                     self.views[i].zero_()
                     self._rebind(i)
+                    if on_discard is not None:
+                        on_discard(i)
                 elif g.data_ptr() != self._ptrs[i] and g is self.views[i]:  # model.to() after backward
                     self.after_accumulate(i)  # the same re-binding a backward does
                 elif g.data_ptr() != self._ptrs[i]:

@@ -68,11 +68,16 @@ class Progress:
         """One field of a :meth:`to_tensor` tensor, without loading it."""
         return int(saved[cls.SAVED.index(name)])
 
+    @classmethod
+    def check_saved(cls, saved: torch.Tensor) -> None:
+        """Raise ``ValueError`` unless ``saved`` is a :meth:`to_tensor` tensor of this version's fields."""
+        if tuple(saved.shape) != (len(cls.SAVED),):
+            raise ValueError(f"progress: expected {len(cls.SAVED)} counters {cls.SAVED}, got shape {tuple(saved.shape)}")
+
     def load_tensor(self, saved: torch.Tensor) -> bool:
         """Take the saved fields back and empty the window. Returns whether a commit was collected and not yet
         installed at save time (the caller puts its weights back in the round buffer)."""
-        if tuple(saved.shape) != (len(self.SAVED),):
-            raise ValueError(f"progress: expected {len(self.SAVED)} counters {self.SAVED}, got shape {tuple(saved.shape)}")
+        self.check_saved(saved)
         v = dict(zip(self.SAVED, (int(x) for x in saved.tolist())))
         self.num_rounds, self.num_updates = v["num_rounds"], v["num_updates"]
         self.num_skipped_updates = v["num_skipped_updates"]

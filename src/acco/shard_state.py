@@ -49,7 +49,7 @@ def _local(t) -> torch.Tensor:
 def _state_keys(opt: "AccoOptimizer"):
     """Per-element (same size as the piece) and scalar state keys of the wrapped optimizer."""
     flat_keys, scalar_keys = [], []
-    for p in _pieces(opt):
+    for p in opt._pieces:
         for key, value in opt.local_optimizer.state.get(p, {}).items():
             if torch.is_tensor(value) and value.dim() >= 1:
                 if key not in flat_keys:
@@ -93,11 +93,6 @@ def _restore_hyper(current: Any, saved: torch.Tensor) -> Any:
     return current
 
 
-def _pieces(opt: "AccoOptimizer") -> List[torch.Tensor]:
-    """The wrapped optimizer's parameters: one view of the master slice per model parameter, in order."""
-    return [p for g in opt.local_optimizer.param_groups for p in g["params"]]
-
-
 def _require_boundary(opt: "AccoOptimizer", what: str) -> None:
     failed = opt._driver.failed
     if failed is not None:
@@ -116,7 +111,7 @@ def _require_boundary(opt: "AccoOptimizer", what: str) -> None:
 def _local_state(opt: "AccoOptimizer", key: str) -> torch.Tensor:
     """This rank's slice of element-wise optimizer state ``key``, flattened end to end."""
     state = opt.local_optimizer.state
-    return torch.cat([state[p][key].reshape(-1) for p in _pieces(opt)])
+    return torch.cat([state[p][key].reshape(-1) for p in opt._pieces])
 
 
 def _gather_full(opt: "AccoOptimizer", local: torch.Tensor, out: Optional[torch.Tensor] = None) -> torch.Tensor:
@@ -222,7 +217,7 @@ def state_dict(opt: "AccoOptimizer", sharded: bool = False) -> Dict[str, Any]:
     real = opt.layout.real_numel(opt.rank)
     flat_keys, scalar_keys = _state_keys(opt)
     state = opt.local_optimizer.state
-    pieces = _pieces(opt)
+    pieces = opt._pieces
     wrap = (lambda t: _flat(opt, t)) if sharded else (lambda t: t)
     out: Dict[str, Any] = {
         "master": wrap(opt._flat.master[:real].clone()),
@@ -272,7 +267,7 @@ def template(opt: "AccoOptimizer", flat_keys, scalar_keys, hyper_keys, meta_keys
     """Empty tensors of the right shapes and placement for ``dcp.load`` to fill."""
     real = opt.layout.real_numel(opt.rank)
     dev, master_dtype = opt.device, opt._flat.master.dtype
-    n = len(_pieces(opt))
+    n = len(opt._pieces)
     return {
         "master": _flat(opt, torch.zeros(real, dtype=master_dtype, device=dev)),
         "params": _flat(opt, torch.zeros(real, dtype=opt.compute_dtype, device=dev)),
@@ -301,11 +296,11 @@ def check_loadable(opt: "AccoOptimizer", sd: Dict[str, Any]) -> None:
                 raise CheckpointError("AccoOptimizer.load_state_dict(): the state dict has no checksums. Nothing was loaded.")
             body = {k: v for k, v in sd.items() if k not in ("acco", "checksums")}
             verify(opt, {"optim": body}, sd["checksums"], "AccoOptimizer.load_state_dict()")
-        if tuple(sd["counters"].shape) != (len(Progress.SAVED),):
-            raise CheckpointError(
-                f"AccoOptimizer.load_state_dict(): the state dict holds {tuple(sd['counters'].shape)} counters, this "
-                f"acco saves {len(Progress.SAVED)} {Progress.SAVED}: written by another acco version. Nothing was loaded."
-            )
+        try:
+            Progress.check_saved(sd["counters"])
+        except ValueError as exc:
+            raise CheckpointError(f"AccoOptimizer.load_state_dict(): {exc}: written by another acco version. "
+                                  "Nothing was loaded.") from None
         saved_m = Progress.saved_field(sd["counters"], "microbatches_per_update") or None
         if saved_m is not None and opt.microbatches_per_update not in (None, saved_m):
             raise ValueError(
@@ -331,7 +326,7 @@ def load_state_dict(opt: "AccoOptimizer", sd: Dict[str, Any], checked: bool = Fa
     with torch.no_grad():
         flat.load_master(_local(sd["master"]))
         opt.local_optimizer.state.clear()
-        for i, (p, pc) in enumerate(zip(_pieces(opt), pieces)):
+        for i, (p, pc) in enumerate(zip(opt._pieces, pieces)):
             st = opt.local_optimizer.state[p]
             for key, values in sd["state"].items():
                 st[key] = _local(values)[pc.local_start : pc.local_end].to(flat.master.dtype).clone()
@@ -367,7 +362,7 @@ def consolidated_state_dict(opt: "AccoOptimizer") -> Dict[str, Any]:
     opt._driver.collect()
     flat_keys, scalar_keys = _state_keys(opt)
     state = opt.local_optimizer.state
-    pieces = _pieces(opt)
+    pieces = opt._pieces
     per_param: Dict[int, Dict[str, Any]] = {i: {} for i in range(len(pieces))}
     for key in flat_keys:
         for i, view in enumerate(opt.layout.views(_gather_full(opt, _local_state(opt, key)))):
@@ -409,7 +404,7 @@ def load_consolidated_state_dict(opt: "AccoOptimizer", sd: Dict[str, Any]) -> No
         opt._flat.load_master(opt._flat.model_slice(opt._view_swapped).to(master.dtype))
         opt.local_optimizer.state.clear()
         saved = {int(k): v for k, v in sd["state"].items()}
-        for i, (p, pc) in enumerate(zip(_pieces(opt), pieces)):
+        for i, (p, pc) in enumerate(zip(opt._pieces, pieces)):
             for key, value in saved.get(i, {}).items():
                 if torch.is_tensor(value) and value.dim() >= 1:
                     value = value.reshape(-1)[pc.param_start : pc.param_end].to(master.device, master.dtype).clone()
