@@ -3,7 +3,10 @@
     .venv/bin/python benchmarks/gpu_check.py               # on the GPU machine: rewrites docs/gpu.md's results
     .venv/bin/python benchmarks/gpu_check.py --dry-run --out /tmp/gpu.md   # on CPU (CI runs this)
 
-Five checks, each a section of the report:
+Seven checks, each a section of the report; the script exits 1, naming what
+failed, if a GPU run finds a host synchronisation in the steady state, a side
+stream whose kernels do not overlap compute, or ranks that raise a
+device-found error at different steps:
 
 1. ``tests/test_cuda.py`` (pytest; all skip without a GPU).
 2. A ``torch.profiler`` trace of a few updates on one GPU: kernel time per
@@ -17,6 +20,12 @@ Five checks, each a section of the report:
 4. ``torch.compile(model)`` trained through ACCO's swaps: compiled frames after
    the first update and after the last must be equal (no recompiles).
 5. Peak GPU memory against the buffers of ``docs/algorithm.md``'s table.
+6. Host-blocking calls per update after the first applied step, under
+   ``torch.cuda.set_sync_debug_mode("warn")`` (blocking copies and stream
+   synchronisations), and the library's own waits for a round two hand-offs
+   old (``scheduler.host_waits``: only a host running ahead of the device).
+7. Two ranks (NCCL; needs two GPUs) with an inf loss on one rank under
+   ``nonfinite="raise"``: both must raise in the same update.
 
 ``--dry-run`` runs every section on the CPU with a tiny model so the script
 itself is exercised: the CUDA tests skip, the profiler sees no kernels (the
@@ -30,11 +39,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from pathlib import Path
 from typing import Any, Dict, List, Sequence, Tuple
 
@@ -253,6 +264,103 @@ def check_memory(width: int, layers: int, batch: int, device: str) -> Dict[str, 
     return out
 
 
+# ---------------------------------------------------------------- 6. host syncs in the steady state
+
+
+def check_syncs(width: int, layers: int, batch: int, device: str) -> Dict[str, Any]:
+    """Host-blocking CUDA calls per update once the first step has been applied (2 warm-up updates)."""
+    cuda = device.startswith("cuda")
+    model = make_model(width, layers, device)
+    opt = AccoOptimizer(model.parameters(), mode="acco", microbatches_per_update=4, max_grad_norm=1.0, lr=1e-4)
+    data = batches(width, batch, device, 8)
+    train(model, opt, data, 2, 4)
+    synchronize(device)
+    updates, waits = 8, opt.scheduler.host_waits
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        if cuda:
+            torch.cuda.set_sync_debug_mode("warn")
+        try:
+            train(model, opt, data, updates, 4)
+        finally:
+            if cuda:
+                torch.cuda.set_sync_debug_mode("default")
+    found = [str(w.message).splitlines()[0] for w in caught if "synchroniz" in str(w.message).lower()]
+    waits = opt.scheduler.host_waits - waits
+    opt.finish()
+    return {"measured": cuda, "updates": updates, "sync_warnings_per_update": len(found) / updates,
+            "examples": found[:3], "host_waits_per_update": waits / updates}
+
+
+# ---------------------------------------------------------------- 7. device-found errors on every rank alike
+
+
+def _error_rank(rank: int, world: int, port: int, device: str, out: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    cuda = device.startswith("cuda")
+    if cuda:
+        torch.cuda.set_device(rank)
+    torch.distributed.init_process_group("nccl" if cuda else "gloo")
+    from acco import NonFiniteGradientError
+
+    dev = f"cuda:{rank}" if cuda else "cpu"
+    model = make_model(64, 2, dev)
+    opt = AccoOptimizer(model.parameters(), mode="acco", microbatches_per_update=4, nonfinite="raise", lr=1e-4)
+    data = batches(64, 8, dev, 8)
+    raised_at = None
+    try:
+        for t in range(10):
+            for j in range(4):
+                x, y = data[(t * 4 + j) % len(data)]
+                loss = ((model(x) - y) ** 2).mean() / 4
+                if (t, j, rank) == (3, 3, 0):
+                    loss = loss * float("inf")
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+        opt.finish()
+    except NonFiniteGradientError:
+        raised_at = t
+    Path(out, f"rank{rank}.json").write_text(json.dumps({"raised_at": raised_at}))
+    torch.distributed.destroy_process_group()
+
+
+def check_error_step(device: str) -> Dict[str, Any]:
+    """Both ranks raise NonFiniteGradientError in the same update (the CUDA path reads round k-2's report at
+    hand-off k). On CPU (dry run) two gloo ranks run the CPU path, which shows the script works."""
+    if device.startswith("cuda") and torch.cuda.device_count() < 2:
+        return {"ranks": 0, "raised_at": None, "same_step": None, "note": "needs two GPUs: not run"}
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        torch.multiprocessing.spawn(_error_rank, args=(2, port, device, tmp), nprocs=2, join=True)
+        raised = [json.loads(Path(tmp, f"rank{r}.json").read_text())["raised_at"] for r in range(2)]
+    return {"ranks": 2, "raised_at": raised, "same_step": raised[0] is not None and raised[0] == raised[1]}
+
+
+def verdict(results: Dict[str, Any], dry: bool) -> List[str]:
+    """What a GPU run must not show (a dry run is judged on the error-step check only: the rest is not
+    measured on CPU)."""
+    failures = []
+    e = results["errors"]
+    if e["same_step"] is False:
+        failures.append(f"a device-found error surfaced at different steps on the ranks: {e['raised_at']}")
+    if dry:
+        return failures
+    s, tr = results["syncs"], results["trace"]
+    if s["sync_warnings_per_update"] > 0:
+        failures.append(f"host synchronisations in the steady state: {s['sync_warnings_per_update']} per update, "
+                        f"e.g. {s['examples']}")
+    blocking = sum(tr["host_syncs_per_update"].values()) - s["host_waits_per_update"]
+    if blocking > 0:
+        failures.append(f"host-blocking CUDA calls in the profiled updates: {tr['host_syncs_per_update']}")
+    low = {k: v for k, v in (tr["overlap"] or {}).items() if v is not None and v < 0.5}
+    if tr["compute_stream"] is None or low:
+        failures.append(f"side-stream kernels not overlapped by compute (share < 0.5): {low or 'no kernels traced'}")
+    return failures
+
+
 # ---------------------------------------------------------------- report
 
 
@@ -299,6 +407,25 @@ def render(results: Dict[str, Any], dry: bool, device: str, argv: Sequence[str])
                      f"({m['peak_over_table']:.2f}x the table; the rest is activations and temporaries).")
     else:
         lines.append("No GPU: peak device memory not measured.")
+    s = r["syncs"]
+    lines += ["", "### 6. Host synchronisations after the first applied step", ""]
+    if s["measured"]:
+        lines.append(f"Under `torch.cuda.set_sync_debug_mode(\"warn\")`, {s['updates']} updates: "
+                     f"{s['sync_warnings_per_update']} synchronising calls per update (examples: `{s['examples']}`); "
+                     f"the library's waits for round k-2 at hand-off k that found it unfinished: "
+                     f"{s['host_waits_per_update']} per update.")
+    else:
+        lines.append("CPU run: torch's sync debug mode is CUDA only; not measured.")
+    e = r["errors"]
+    lines += ["", "### 7. A device-found error on two ranks", ""]
+    if e["ranks"]:
+        lines.append(f"inf loss on rank 0 in update 3, nonfinite='raise': raised in updates {e['raised_at']} "
+                     f"(rank 0, rank 1): {'the same step' if e['same_step'] else 'DIFFERENT STEPS'}"
+                     f"{' (CPU path, gloo: a dry run)' if dry else ''}.")
+    else:
+        lines.append(e["note"])
+    failures = r["failures"]
+    lines += ["", "### Verdict", "", "PASS" if not failures else "FAIL: " + "; ".join(failures)]
     lines += ["", END]
     return "\n".join(lines) + "\n"
 
@@ -330,11 +457,16 @@ def main(argv: Sequence[str] = None) -> Dict[str, Any]:
     results["overhead"] = check_overhead(width, layers, batch, device, args.repeats or (1 if dry else 5), 2 if dry else 20)
     results["compile"] = check_compile(width, layers, batch, device, dry)
     results["memory"] = check_memory(width, layers, batch, device)
+    results["syncs"] = check_syncs(width, layers, batch, device)
+    results["errors"] = check_error_step(device)
+    results["failures"] = verdict(results, dry)
     block = render(results, dry, device, argv)
     out = args.out if args.out is not None else (None if dry else ROOT / "docs" / "gpu.md")
     if out is not None:
         write_report(out, block)
     print(block)
+    if results["failures"]:
+        raise SystemExit("gpu_check FAILED:\n- " + "\n- ".join(results["failures"]))
     return results
 
 

@@ -20,6 +20,20 @@ the collectives:
   ``.numpy()``, ``torch.equal``, data-dependent shapes (``nonzero``, ...) of device
   memory, ``Event``/``Stream.synchronize``) are recorded; a test forbids them
   where the library must not block (``forbid_syncs``).
+* **Host memory.** ``host_empty`` tensors are pinned host memory; tensors made
+  from Python data (``torch.tensor(...)``, and the 0-dim tensor torch builds for
+  a Python scalar assigned into a tensor, ``t[i] = 2.0``) are *pageable* host
+  memory, as on CUDA (``THPVariable_setitem`` builds the value on the CPU). A
+  copy from pageable memory into device memory is a blocking host sync
+  (``memcpy_and_sync``), and so is a copy between pinned and device memory
+  without ``non_blocking=True``.
+* **Completion at random moments** (``completion_seed``): a side stream's work,
+  once run, becomes visible to ``query()`` only after a random number of further
+  queries, drawn per event from the seed, so ranks given different seeds
+  disagree on what is done, as real GPUs do.
+* ``synchronize()`` of an event or stream whose work has already run returns
+  at once (as ``cudaEventSynchronize`` does) and is not counted as a sync.
+* Every collective is logged with its process group (``collectives``).
 * ``record_stream`` calls are recorded: a storage the side stream uses that
   was allocated by another stream and never recorded on it is a use-after-free
   hazard (``unrecorded_side_storages``).
@@ -32,6 +46,7 @@ fake device 1 while the current device is 0.
 from __future__ import annotations
 
 import contextlib
+import random
 import traceback
 import weakref
 from collections import deque
@@ -105,7 +120,7 @@ class FakeStream:
         return event
 
     def query(self) -> bool:
-        if self.done >= self.issued:
+        if self.done >= self.issued and self.layer._visible(self, self.issued):
             self.layer._host_learns(self._clock_now())
             return True
         return False
@@ -132,7 +147,7 @@ class FakeEvent:
         layer.events_recorded += 1
 
     def query(self) -> bool:
-        if self.stream is None or self.stream.done >= self.seq:
+        if self.stream is None or (self.stream.done >= self.seq and _LAYER._visible(self.stream, self.seq)):
             _LAYER._host_learns(self.clock)
             return True
         return False  # adversarial: a side stream never runs on its own
@@ -168,8 +183,14 @@ class _StreamContext:
 class FakeCuda(TorchDispatchMode):
     """The simulated device. Use as a context manager around everything the test runs on it."""
 
-    def __init__(self, devices: int = 2, model_device: int = 0, current_device: int = 0) -> None:
+    def __init__(self, devices: int = 2, model_device: int = 0, current_device: int = 0,
+                 completion_seed: Optional[int] = None) -> None:
         super().__init__()
+        # (stream name, op number) -> queries still answered "not done" after the work has run
+        self._rng = random.Random(completion_seed) if completion_seed is not None else None
+        self._late: Dict[tuple, int] = {}
+        self.pageable: set = set()  # storages of host memory made from Python data (torch.tensor, a Python scalar)
+        self.collectives: List[tuple] = []  # (op name, process group) of every collective issued
         self.model_device = model_device
         self._current_device = current_device
         self._defaults = {d: FakeStream(self, d, f"cuda:{d}/default", eager=True) for d in range(devices)}
@@ -228,6 +249,7 @@ class FakeCuda(TorchDispatchMode):
         self._retire(k)
         self.last_write.pop(k, None)
         self.reads.pop(k, None)
+        self.pageable.discard(k)
         self.host_storages.add(k)
         self.owner[k] = "host"
         return t
@@ -341,8 +363,26 @@ class FakeCuda(TorchDispatchMode):
     def _host_learns(self, clock: Dict[str, int]) -> None:
         _merge(self.host_clock, clock)
 
+    def _visible(self, stream: FakeStream, seq: int) -> bool:
+        """Whether work that has run is seen as complete yet (``completion_seed``: after a random number of
+        queries, drawn once per event, so two ranks see the same round complete at different moments)."""
+        if self._rng is None or stream.eager:
+            return True
+        key = (stream.name, seq)
+        if key not in self._late:
+            self._late[key] = self._rng.choice((0, 0, 1, 2, 3, 5))
+        if self._late[key] > 0:
+            self._late[key] -= 1
+            return False
+        return True
+
     def _host_sync(self, stream: FakeStream, upto: int, what: str, clock: Optional[Dict[str, int]] = None) -> None:
+        ran = stream.done >= upto
+        self._late[(stream.name, upto)] = 0  # the host waited: it is complete now, whatever query() said
         self._flush(stream, upto)
+        if ran and what in ("Event.synchronize", "Stream.synchronize"):
+            self._host_learns(clock if clock is not None else stream._clock_now())
+            return  # the work had run: cudaEventSynchronize returns at once, nothing blocks
         self._host_learns(clock if clock is not None else stream._clock_now())
         if stream.eager and what == "host read":
             return  # reading a value the eager stream already computed: still a sync on real CUDA, recorded below
@@ -353,6 +393,17 @@ class FakeCuda(TorchDispatchMode):
         self.syncs.append(what)
         if self._forbid:
             self.forbidden_syncs.append(f"{what}\n{where}")
+
+    def _check_copy(self, dst: torch.Tensor, src: torch.Tensor, non_blocking: bool) -> None:
+        """Copies between host and device memory that block the host on CUDA."""
+        kd, ks = _key(dst), _key(src)
+        host = self.host_storages | self.pageable
+        if ks in self.pageable and kd not in host:
+            self._note_sync(f"copy of pageable host memory {tuple(src.shape)} into device memory (a Python scalar "
+                            "assigned into a device tensor, or torch.tensor(...)): memcpy_and_sync")
+        elif (ks in self.host_storages) != (kd in self.host_storages) and ks not in self.pageable and not non_blocking:
+            self._note_sync(f"copy between pinned host memory and device memory {tuple(dst.shape)} without "
+                            "non_blocking=True")
 
     def _host_read(self, t: torch.Tensor, what: str) -> None:
         k = _key(t)
@@ -404,6 +455,7 @@ class FakeCuda(TorchDispatchMode):
             k = _key(t)
             if k is not None:
                 self.host_storages.discard(k)
+                self.pageable.discard(k)
                 self._retire(k)
                 self.last_write[k] = (stream.name, n)
                 self.reads[k] = {}
@@ -431,10 +483,13 @@ class FakeCuda(TorchDispatchMode):
             names = [a.name for a in schema.arguments]
             bound = dict(zip(names, args))
             bound.update(kwargs)
+            self.collectives.append((func._opname, bound.get("process_group")))
             w_names, r_names = _C10D[func._opname]
             writes = _tensors([bound.get(n) for n in w_names])
             reads = _tensors([bound.get(n) for n in r_names])
         else:
+            if func is torch.ops.aten.copy_.default:
+                self._check_copy(args[0], args[1], bool(args[2] if len(args) > 2 else kwargs.get("non_blocking")))
             writes, reads = [], []
             for a, v in zip(schema.arguments, list(args) + [kwargs.get(a.name) for a in schema.arguments[len(args):]]):
                 ts = _tensors(v)
@@ -447,6 +502,8 @@ class FakeCuda(TorchDispatchMode):
                 out = func(*args, **kwargs)
                 if not inputs or func is torch.ops.aten.lift_fresh.default:  # new memory (lift_fresh: torch.tensor)
                     self._account(stream, [], [], _tensors(out))
+                if func is torch.ops.aten.lift_fresh.default:  # Python data: pageable host memory on CUDA
+                    self.pageable.update(_key(t) for t in _tensors(out))
                 return out
         self._check(stream.name, self._issue_clock(stream), reads, writes, func)
         stream.issued += 1

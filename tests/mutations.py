@@ -49,9 +49,9 @@ cases = [
  ("M20 the host does not wait for the last round (finish, reports)", "src/acco/scheduler.py",
   "            self._last_end.synchronize()\n", "            pass\n", "tests/test_stream_protocol.py -k finish_waits"),
  ("M21 skip decided on the host on the CUDA path", "src/acco/rounds.py",
-  "            undo = nonfinite_flag\n", "            skipped = bool(nonfinite_flag)\n", "tests/test_stream_protocol.py -k oracle"),
+  "            undo = flags.any()\n", "            skipped = bool(nonfinite_flag)\n", "tests/test_stream_protocol.py -k oracle"),
  ("M22 reports read before the device wrote them", "src/acco/driver.py",
-  "            if not block and not end.query():\n                return\n", "", "tests/test_stream_protocol.py"),
+  "            self.scheduler.host_wait(end)\n", "", "tests/test_stream_protocol.py -k same_step"),
  ("M23 no start event of a round", "src/acco/scheduler.py",
   "            timing.start.record(side)  # side stream: the round begins (for round_s only)\n", "",
   "tests/test_stream_protocol.py -k oracle"),
@@ -72,6 +72,16 @@ cases = [
  ("M29 Opt* by snapshot not restored", "src/acco/rounds.py",
   "        snapshot.restore(optimizer, params, b.master)  # Opt*: leave theta and state untouched\n", "        pass\n",
   "tests/test_functional.py -k oracle"),
+ ("M30 the round's row written with Python scalars (a blocking copy on CUDA)", "src/acco/rounds.py",
+  "        b.row[i].fill_(value)\n", "        b.row[i] = value\n", "tests/test_stream_protocol.py -k oracle"),
+ ("M31 device reports read whenever the device happens to be done", "src/acco/driver.py",
+  "        while self._unread and (upto is None or self._unread[0][0] <= upto):",
+  "        while self._unread and (upto is None or self._unread[0][1].query()):",
+  "tests/test_stream_protocol.py -k same_step"),
+ ("M32 only a non-finite gradient undone on the device", "src/acco/rounds.py",
+  "            undo = flags.any()\n", "            undo = nonfinite_flag\n", "tests/test_stream_protocol.py -k undone"),
+ ("M33 round group connected lazily", "src/acco/optimizer.py",
+  "            connect(round_group, device)", "            pass", "tests/test_stream_protocol.py -k connected"),
 ]
 only = sys.argv[1:]
 for name, path, old, new, tests in cases:

@@ -225,8 +225,9 @@ def test_gpu_check_dry_run(tmp_path):
     assert text.startswith("# kept") and text.rstrip().endswith("## after") and "\nold\n" not in text
     assert "Dry run on CPU" in text
     for section in ("### 1. CUDA tests", "### 2. Profiler trace", "### 3. Per-update time", "### 4. torch.compile",
-                    "### 5. Memory"):
+                    "### 5. Memory", "### 6. Host synchronisations", "### 7. A device-found error", "### Verdict"):
         assert section in text, section
+    assert "raised in updates [4, 4]" in text and "\nPASS\n" in text  # the inf loss is in update 3's last micro-batch
     assert "exit 0" in text and "skipped" in text
     assert "no recompiles" in text
     assert "'overlap': {13: 0.7857142857142857}" in text  # 110 of the side stream's 140 us under compute kernels
@@ -244,3 +245,20 @@ def test_trace_analysis_counts_overlap_and_host_syncs():
     r = gpu_check.analyze_trace(events, updates=2)
     assert r["compute_stream"] == 7 and r["overlap"] == {20: 0.5}
     assert r["host_syncs_per_update"] == {"cudaStreamSynchronize": 1.0}
+
+
+def test_gpu_check_verdict_fails_on_what_a_gpu_must_not_show():
+    """The verdict names each failure of a GPU run: a sync in the steady state, blocking calls in the trace
+    beyond the library's counted waits, a side stream not overlapped, errors at different steps."""
+    import gpu_check
+
+    good = {"errors": {"same_step": True, "raised_at": [4, 4]},
+            "syncs": {"sync_warnings_per_update": 0.0, "examples": [], "host_waits_per_update": 0.5},
+            "trace": {"host_syncs_per_update": {"cudaEventSynchronize": 0.5}, "compute_stream": 7, "overlap": {13: 0.9}}}
+    assert gpu_check.verdict(good, dry=False) == []
+    bad = {"errors": {"same_step": False, "raised_at": [4, 5]},
+           "syncs": {"sync_warnings_per_update": 2.0, "examples": ["x"], "host_waits_per_update": 0.0},
+           "trace": {"host_syncs_per_update": {"cudaStreamSynchronize": 1.0}, "compute_stream": 7, "overlap": {13: 0.1}}}
+    failures = gpu_check.verdict(bad, dry=False)
+    assert len(failures) == 4, failures
+    assert len(gpu_check.verdict(bad, dry=True)) == 1  # a dry run measures only the error step

@@ -142,3 +142,29 @@ def test_cuda_model_on_another_device_than_the_current_one():
         opt.zero_grad()
     opt.finish()
     assert torch.isfinite(flat(model)).all()
+
+
+@pytest.mark.parametrize("mode", ["acco", "dpu"])
+def test_cuda_steady_state_issues_no_host_sync(mode):
+    """After the first applied step, whole updates (backward passes, step(), zero_grad()) run under
+    torch.cuda.set_sync_debug_mode("error"): any blocking copy or stream synchronisation raises. Data are
+    on the device beforehand; the host waits only where the test itself asks (finish())."""
+    m = 4
+    model = make_model().cuda()
+    opt = AccoOptimizer(model.parameters(), mode=mode, microbatches_per_update=m, max_grad_norm=1.0, **KW)
+    data = [tuple(v.cuda() for v in batch(0, i)) for i in range(6 * m)]
+    for t in range(6):
+        if t == 2:  # the first commit has run and created the optimizer's state: from here on, no sync
+            torch.cuda.synchronize()
+        if t >= 2:
+            torch.cuda.set_sync_debug_mode("error")
+        try:
+            for j in range(m):
+                x, y = data[t * m + j]
+                (((model(x) - y) ** 2).mean() / m).backward()
+            opt.step()
+            opt.zero_grad()
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    opt.finish()
+    assert torch.isfinite(flat(model)).all()

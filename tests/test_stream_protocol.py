@@ -168,26 +168,29 @@ def test_device_without_index_is_resolved_at_construction():
     assert sched.side_stream.device == 1
 
 
-def _faulty_run(rank, nonfinite, path, inject):
-    """Six updates of SGD with momentum in mode acco; ``inject``: an inf loss on rank 0 in update 2, or a
-    learning rate changed on rank 1 only from update 2."""
-    from acco import HyperParameterMismatchError, NonFiniteGradientError
+def _faulty_run(rank, nonfinite, path, inject, completion_seed=None, updates=6):
+    """Six updates of SGD with momentum in mode acco, 4 micro-batches each; ``inject``: an inf loss on rank 0
+    in update 2, a learning rate changed on rank 1 only from update 2, or (``"short"``) one micro-batch only
+    on rank 1 in update 2 (no estimate there: the ranks hand off different rounds from then on).
+    ``completion_seed``: the simulated device completes side-stream work at random moments of its own."""
+    from acco import HyperParameterMismatchError, NonFiniteGradientError, RoundMismatchError
 
-    fake = FakeCuda() if path == "stream" else None
+    fake = FakeCuda(completion_seed=completion_seed) if path == "stream" else None
     if fake is not None:
         acco.device_api.stream_api = lambda device: fake
     raised_at, error = None, None
     try:
         with fake if fake is not None else contextlib.nullcontext():
             model = make_model()
-            opt = AccoOptimizer(model.parameters(), torch.optim.SGD, mode="acco", microbatches_per_update=2,
+            opt = AccoOptimizer(model.parameters(), torch.optim.SGD, mode="acco", microbatches_per_update=4,
                                 nonfinite=nonfinite, lr=5e-2, momentum=0.9)
             t = 0
             try:
-                for t in range(6):
-                    for j in range(2):
-                        loss = loss_fn(model, rank, 2 * t + j) / 2
-                        if inject == "inf" and (t, j, rank) == (2, 1, 0):
+                for t in range(updates):
+                    m = 1 if inject == "short" and (t, rank) == (2, 1) else 4
+                    for j in range(m):
+                        loss = loss_fn(model, rank, 4 * t + j) / 4
+                        if inject == "inf" and (t, j, rank) == (2, 3, 0):
                             loss = loss * float("inf")
                         loss.backward()
                     if inject == "lr" and t == 2 and rank == 1:
@@ -195,13 +198,14 @@ def _faulty_run(rank, nonfinite, path, inject):
                     opt.step()
                     opt.zero_grad()
                 opt.finish()
-            except (NonFiniteGradientError, HyperParameterMismatchError) as exc:
+            except (NonFiniteGradientError, HyperParameterMismatchError, RoundMismatchError) as exc:
                 raised_at, error = t, type(exc).__name__
             final = flat(model)
+            master = opt._flat.shard.master.clone()
     finally:
         acco.device_api.stream_api = acco.device_api.__dict__["_real_stream_api"]
-    return dict(final=final, skipped=opt.num_skipped_updates, raised_at=raised_at, error=error,
-                races=fake.races[:3] if fake is not None else [])
+    return dict(final=final, master=master, skipped=opt.num_skipped_updates, raised_at=raised_at, error=error,
+                races=fake.races[:3] if fake is not None else [], host_waits=opt.scheduler.host_waits)
 
 
 def _fault_worker(rank: int, world: int) -> dict:
@@ -234,14 +238,91 @@ def test_nonfinite_skip_is_decided_on_the_device_like_on_cpu():
 @pytest.mark.parametrize("case,error", [("raise/stream", "NonFiniteGradientError"),
                                         ("hyper/stream", "HyperParameterMismatchError")])
 def test_device_decided_errors_surface_at_a_later_step_on_every_rank(case, error):
-    """nonfinite='raise' and mismatched hyper-parameters, found on the device, raise from a later step()
-    (read without blocking) or finish(); the simulated device finishes rounds at the same points on
-    every rank, so both ranks raise in the same update here."""
+    """nonfinite='raise' and mismatched hyper-parameters, found on the device, raise two hand-offs later
+    (or at finish()) on every rank, with the flagged step undone on the device."""
     results = [r[case] for r in _fault_results()]
     assert [r["error"] for r in results] == [error, error]
     assert all(torch.isfinite(r["final"]).all() for r in results), "the bad step must have been undone on the device"
     assert results[0]["raised_at"] == results[1]["raised_at"] >= 2
     assert all(r["races"] == [] for r in results)
+
+
+SEEDS = range(4)
+
+
+def _random_completion_worker(rank: int, world: int) -> dict:
+    os.environ["ACCO_RING"] = "0"
+    out = {}
+    for seed in SEEDS:
+        for case, (nonfinite, inject) in {"raise": ("raise", "inf"), "hyper": ("skip", "lr"),
+                                          "short": ("skip", "short")}.items():
+            out[case, seed] = _faulty_run(rank, nonfinite, "stream", inject, completion_seed=100 * seed + rank)
+    out["clean"] = _faulty_run(rank, "skip", "stream", None, updates=2)
+    return out
+
+
+@functools.lru_cache(maxsize=None)
+def _random_completion_results():
+    return run_ranks(_random_completion_worker, 2, timeout=600)
+
+
+@pytest.mark.parametrize("case,error", [("raise", "NonFiniteGradientError"), ("hyper", "HyperParameterMismatchError"),
+                                        ("short", "RoundMismatchError")])
+def test_device_found_errors_surface_at_the_same_step_when_ranks_disagree_on_what_is_done(case, error):
+    """Side streams complete at rank-dependent random moments (FakeCuda's completion_seed, a different seed
+    per rank): every rank still raises the device-found error in the same update, because the report of
+    round k-2 is read at hand-off k, a point of the program, not when query() happens to say done."""
+    results = _random_completion_results()
+    for seed in SEEDS:
+        r0, r1 = results[0][case, seed], results[1][case, seed]
+        assert r0["error"] == r1["error"] == error, (seed, r0["error"], r1["error"])
+        assert r0["raised_at"] == r1["raised_at"], f"seed {seed}: rank 0 raised in update {r0['raised_at']}, " \
+                                                  f"rank 1 in {r1['raised_at']}"
+        assert r0["races"] == r1["races"] == []
+
+
+def test_mismatched_rounds_are_undone_on_the_device():
+    """Ranks that hand off different rounds (one ran a short update) must not combine their shards: every
+    flagged round is undone on the device, so the master after the error is the one after the last good
+    update (a clean run of the two updates before the mismatch)."""
+    results = _random_completion_results()
+    for rank in range(2):
+        clean = results[rank]["clean"]["master"]
+        for seed in SEEDS:
+            r = results[rank]["short", seed]
+            assert torch.isfinite(r["final"]).all()
+            assert torch.equal(r["master"], clean), f"rank {rank}, seed {seed}: a mismatched round changed theta"
+
+
+def test_round_group_is_connected_in_the_constructor():
+    """NCCL connects a communicator at its first collective: the round group's must come from the
+    constructor (the training thread), not from the first estimate's hand-off inside backward()."""
+    results = run_ranks(_connect_worker, 2, timeout=120)
+    for r in results:
+        assert r["at_construction"] >= 1, "the constructor issued no collective on the round group"
+
+
+def _connect_worker(rank: int, world: int) -> dict:
+    os.environ["ACCO_RING"] = "0"
+    fake = FakeCuda()
+    acco.device_api.stream_api = lambda device: fake
+    try:
+        with fake:
+            model = make_model()
+            opt = AccoOptimizer(model.parameters(), torch.optim.SGD, microbatches_per_update=2, lr=5e-2)
+            name = opt._driver.ctx.group.group_name
+
+            def on_round_group():
+                return sum(1 for _, pg in fake.collectives if pg is not None and
+                           dist.ProcessGroup.unbox(pg).group_name == name)
+
+            at_construction = on_round_group()
+            (loss_fn(model, rank, 0) / 2).backward()  # the first half: the estimate's hand-off issues a round
+            assert on_round_group() > at_construction, "the name must match the rounds' group"
+            opt.finish()
+    finally:
+        acco.device_api.stream_api = acco.device_api.__dict__["_real_stream_api"]
+    return dict(at_construction=at_construction)
 
 
 def test_finish_waits_on_the_host_for_the_last_round():

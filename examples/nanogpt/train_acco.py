@@ -17,6 +17,7 @@ from acco import AccoOptimizer
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "gpt"))
 from data import load_corpus  # noqa: E402
+from diagnostics import EstimateGap  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
 out_dir = "runs/nanogpt"
@@ -30,6 +31,9 @@ n_layer, n_head, n_embd = 2, 2, 64
 learning_rate, min_lr, warmup_iters, max_iters = 1e-3, 1e-4, 5, 60
 weight_decay, beta1, beta2, grad_clip = 0.1, 0.9, 0.95, 1.0
 stop_at = -1  # stop (as if killed) after this iteration, for resume tests
+seed = 0  # model init and data order
+mode = "acco"  # or the baselines: "sync" (ZeRO-1, no overlap), "dpu" (delayed, uncompensated)
+estimate_gap = False  # the LR study's diagnostic: log |theta~ - theta| and |theta_t+1 - theta_t|
 for arg in sys.argv[1:]:
     key, val = arg[2:].split("=", 1)
     globals()[key] = type(globals()[key])(val)
@@ -37,14 +41,14 @@ for arg in sys.argv[1:]:
 init_process_group(backend="gloo")
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 master_process = rank == 0
-torch.manual_seed(1337)
+torch.manual_seed(1337 + seed)
 train_data, val_data = load_corpus(None)
 
 
 def get_batch(split, it, micro):
     # a pure function of (split, iteration, micro-step, rank): a resumed run sees the same batches
     data = train_data if split == "train" else val_data
-    g = torch.Generator().manual_seed(1 + 100_000 * it + 100 * micro + rank if split == "train" else 7 + micro)
+    g = torch.Generator().manual_seed(1 + 100_000 * it + 100 * micro + rank + 10**9 * seed if split == "train" else 7 + micro)
     ix = torch.randint(len(data) - block_size - 1, (batch_size,), generator=g)
     x = torch.stack([data[i : i + block_size] for i in ix.tolist()]).long()
     y = torch.stack([data[i + 1 : i + 1 + block_size] for i in ix.tolist()]).long()
@@ -59,7 +63,7 @@ model = GPT(GPTConfig(seq_len=block_size, d_model=n_embd, n_layers=n_layer, n_he
 decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
 no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
 groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-optimizer = AccoOptimizer(groups, torch.optim.AdamW, lr=learning_rate, betas=(beta1, beta2),
+optimizer = AccoOptimizer(groups, torch.optim.AdamW, mode=mode, lr=learning_rate, betas=(beta1, beta2),
                           microbatches_per_update=gradient_accumulation_steps, max_grad_norm=grad_clip or None)
 iter_num = 0
 if init_from == "resume":
@@ -68,6 +72,7 @@ if init_from == "resume":
     optimizer.load_state_dict(torch.load(os.path.join(out_dir, f"optim.rank{rank}.pt"), weights_only=True))
     iter_num = checkpoint["iter_num"]
 raw_model = model
+gap = EstimateGap(raw_model) if estimate_gap else None
 
 
 def get_lr(it):
@@ -85,7 +90,7 @@ def estimate_loss():
     return losses.mean().item()
 
 
-log = []
+log, train_log = [], []
 while True:
     lr = get_lr(iter_num)
     for param_group in optimizer.param_groups:
@@ -103,12 +108,17 @@ while True:
         torch.save(optimizer.state_dict(), os.path.join(out_dir, f"optim.rank{rank}.pt"))  # every rank its shard
     if iter_num == max_iters or iter_num == stop_at:
         break
+    train_loss = 0.0
     for micro_step in range(gradient_accumulation_steps):
         x, y = get_batch("train", iter_num, micro_step)
         loss = loss_of(model, x, y) / gradient_accumulation_steps
         loss.backward()
+        train_loss += loss.item()
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    train_log.append({"iter": iter_num, "train_loss": train_loss})
+    if gap is not None and master_process:
+        train_log[-1].update(gap(optimizer))
     iter_num += 1
 
 optimizer.finish()
@@ -116,4 +126,6 @@ if master_process:
     torch.save(raw_model.state_dict(), os.path.join(out_dir, "final.pt"))
     with open(os.path.join(out_dir, "log.json"), "w") as f:
         json.dump(log, f)
+    with open(os.path.join(out_dir, "train_log.json"), "w") as f:
+        json.dump(train_log, f)
 destroy_process_group()

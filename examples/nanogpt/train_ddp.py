@@ -29,6 +29,7 @@ n_layer, n_head, n_embd = 2, 2, 64
 learning_rate, min_lr, warmup_iters, max_iters = 1e-3, 1e-4, 5, 60
 weight_decay, beta1, beta2, grad_clip = 0.1, 0.9, 0.95, 1.0
 stop_at = -1  # stop (as if killed) after this iteration, for resume tests
+seed = 0  # model init and data order
 for arg in sys.argv[1:]:
     key, val = arg[2:].split("=", 1)
     globals()[key] = type(globals()[key])(val)
@@ -36,14 +37,14 @@ for arg in sys.argv[1:]:
 init_process_group(backend="gloo")
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 master_process = rank == 0
-torch.manual_seed(1337)
+torch.manual_seed(1337 + seed)
 train_data, val_data = load_corpus(None)
 
 
 def get_batch(split, it, micro):
     # a pure function of (split, iteration, micro-step, rank): a resumed run sees the same batches
     data = train_data if split == "train" else val_data
-    g = torch.Generator().manual_seed(1 + 100_000 * it + 100 * micro + rank if split == "train" else 7 + micro)
+    g = torch.Generator().manual_seed(1 + 100_000 * it + 100 * micro + rank + 10**9 * seed if split == "train" else 7 + micro)
     ix = torch.randint(len(data) - block_size - 1, (batch_size,), generator=g)
     x = torch.stack([data[i : i + block_size] for i in ix.tolist()]).long()
     y = torch.stack([data[i + 1 : i + 1 + block_size] for i in ix.tolist()]).long()
@@ -84,7 +85,7 @@ def estimate_loss():
     return losses.mean().item()
 
 
-log = []
+log, train_log = [], []
 while True:
     lr = get_lr(iter_num)
     for param_group in optimizer.param_groups:
@@ -98,19 +99,24 @@ while True:
             torch.save(checkpoint, os.path.join(out_dir, "ckpt.pt"))
     if iter_num == max_iters or iter_num == stop_at:
         break
+    train_loss = 0.0
     for micro_step in range(gradient_accumulation_steps):
         model.require_backward_grad_sync = micro_step == gradient_accumulation_steps - 1
         x, y = get_batch("train", iter_num, micro_step)
         loss = loss_of(model, x, y) / gradient_accumulation_steps
         loss.backward()
+        train_loss += loss.item()
     if grad_clip != 0.0:
         torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    train_log.append({"iter": iter_num, "train_loss": train_loss})
     iter_num += 1
 
 if master_process:
     torch.save(raw_model.state_dict(), os.path.join(out_dir, "final.pt"))
     with open(os.path.join(out_dir, "log.json"), "w") as f:
         json.dump(log, f)
+    with open(os.path.join(out_dir, "train_log.json"), "w") as f:
+        json.dump(train_log, f)
 destroy_process_group()

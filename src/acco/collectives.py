@@ -16,6 +16,7 @@ import torch.distributed as dist
 __all__ = [
     "all_gather_flat",
     "all_reduce_sum",
+    "connect",
     "group_rank",
     "group_size",
     "reduce_scatter_flat",
@@ -66,6 +67,18 @@ def ring_algorithm(group: Optional[dist.ProcessGroup]) -> str:
     if backend == "gloo":
         return "ring"
     return "native"
+
+
+def connect(group: Optional[dist.ProcessGroup], device: torch.device) -> None:
+    """Establish ``group``'s communicator now with one 1-element all-reduce. Collective.
+
+    NCCL creates a communicator lazily, at its first collective. For the round group that would be the
+    first estimate's hand-off, inside ``backward()`` (on autograd's device thread, while other
+    communicators may be busy); called at construction, the connection is made from the training thread,
+    in the same program order on every rank.
+    """
+    if group is not None:
+        dist.all_reduce(torch.zeros(1, device=device), group=group)
 
 
 def reduce_scatter_flat(

@@ -52,8 +52,9 @@ class RoundDriver:
         self.last_grad_norm: Optional[torch.Tensor] = None
         self.history: "deque[RoundRecord]" = deque(maxlen=self.HISTORY_LIMIT)
         self._settled = 0  # records before this index hold no events (a deque index: shifts when full)
-        # CUDA path: rounds decided on the device whose reports the host has not read yet (oldest first).
-        self._unread: "deque[Tuple[Any, RoundResult]]" = deque()
+        # CUDA path: rounds decided on the device whose reports the host has not read yet (oldest first), as
+        # (round number, end event, result).
+        self._unread: "deque[Tuple[int, Any, RoundResult]]" = deque()
         self._round_tensors = flat.round_tensors()
 
     def check_not_failed(self) -> None:
@@ -65,6 +66,9 @@ class RoundDriver:
     def handoff(self, kind: RoundKind, local_microbatches: int, grad_scale: Optional[float]) -> None:
         """Start round ``kind`` on the gradients accumulated so far, with ``progress.update_hyper``."""
         self.collect()
+        # Round k's hand-off first reads round k-2's report: every rank raises a device-found error at the same
+        # hand-off, before issuing round k, so no rank is left in a collective its peers never issue.
+        self.read_reports(upto=self.progress.num_rounds - 2)
         self.install_pending()  # the previous round's weights are the model's for the micro-batches after this hand-off
         self.flat.handoff(commit=kind is RoundKind.COMMIT)
         hyper = self.progress.update_hyper
@@ -111,7 +115,7 @@ class RoundDriver:
             p.committed_mb += result.total_microbatches[0]  # compute side, ordered after the round
             p.num_skipped_updates += int(bool(result.skipped))
         if result.report is not None:
-            self._unread.append((self.scheduler.last_timing.end, result))
+            self._unread.append((self.progress.num_rounds - 1, self.scheduler.last_timing.end, result))
         self.last_grad_norm = result.grad_norm
         self._record(result)
         p.pending = result.kind
@@ -145,17 +149,21 @@ class RoundDriver:
             p.holds_estimate = p.pending is RoundKind.ESTIMATE
         p.pending = None
 
-    def read_reports(self, block: bool) -> None:
-        """CUDA path: read the reports of rounds the device has finished (``block``: of all of them, waiting
-        for the device) and raise what the CPU path raises inside the round. Without ``block`` this never
-        waits: an error surfaces at the first ``step()`` after the device has run the round."""
-        if block and self._unread:
+    def read_reports(self, upto: Optional[int] = None) -> None:
+        """CUDA path: read the reports of the rounds numbered up to ``upto`` (``None``: all, after the host has
+        waited for the last round) and raise what the CPU path raises inside the round.
+
+        Where an error surfaces is a point of the program, the same on every rank: never "whenever the
+        device happens to be done", which differs between ranks. At hand-off ``k`` (``upto=k-2``) the host
+        waits for round ``k-2``'s end event, which is complete in practice: the compute stream already waited
+        for it at hand-off ``k-1``, a whole half batch earlier, so this blocks only a host running more than
+        a half batch ahead of the device (``StreamScheduler.host_waits`` counts those).
+        """
+        if upto is None and self._unread:
             self.scheduler.synchronize()  # host waits for the last round, hence for all before it (one stream)
-        while self._unread:
-            end, result = self._unread[0]
-            if not block and not end.query():
-                return
-            self._unread.popleft()
+        while self._unread and (upto is None or self._unread[0][0] <= upto):
+            _, end, result = self._unread.popleft()
+            self.scheduler.host_wait(end)
             exc, skipped_on_device = report_outcome(result, self.ctx.nonfinite)
             self.progress.num_skipped_updates += int(skipped_on_device)
             if exc is not None:

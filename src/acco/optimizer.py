@@ -39,7 +39,7 @@ from . import ddp as _ddp
 from . import hooks
 from .agreement import hyper_fingerprint
 from .buffers import FlatBuffers
-from .collectives import group_rank, group_size, ring_algorithm
+from .collectives import connect, group_rank, group_size, ring_algorithm
 from .driver import RoundDriver
 from .introspection import Introspection
 from .layout import FlatLayout
@@ -184,6 +184,7 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
                 timeout=timeout,
                 use_local_synchronization=self._group is not dist.group.WORLD,
             )
+            connect(round_group, device)  # its communicator now, from this thread, not in the first backward
         self._flat = FlatBuffers(self._params, self.layout, self.rank, self.compute_dtype, self.accumulation_dtype,
                                  separate_grads=self.accumulate_while_communicating,
                                  collectives=ring_algorithm(round_group))
@@ -247,7 +248,6 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
 
     def _check_open(self) -> None:
         self._driver.check_not_failed()
-        self._driver.read_reports(block=False)
         if self._finished:
             raise RuntimeError(
                 "AccoOptimizer.step() after finish(): finish() ends training with this optimizer; "
@@ -415,7 +415,7 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
                 raise
             self._driver.collect()
             self._driver.install_pending(commits_only=True)
-            self._driver.read_reports(block=True)  # CUDA path: errors the device found in the last rounds
+            self._driver.read_reports()  # CUDA path: errors the device found in the last rounds
         finally:
             self._finished = True
             self._driver.close(ok=self._failed is None)

@@ -215,14 +215,20 @@ def run_round(ctx: RoundContext, spec: RoundSpec) -> RoundResult:
     ``device_checks`` (the CUDA path): no host synchronisation. The checks
     above become device flags in ``RoundResult.report`` (a host tensor written
     without blocking, valid once the round's end event has completed; the
-    optimizer raises from it then). A non-finite gradient with ``"skip"`` is
-    undone on the device with ``torch.where`` over a snapshot of the master
-    slice and the state; while the wrapped optimizer has no state yet, or keeps
-    some on the CPU, the host decides instead (one sync per such round).
+    optimizer raises from it at the hand-off two rounds later, on every rank
+    alike). A flagged round (a non-finite gradient under either policy, or
+    ranks that handed off different rounds or hyper-parameters) is undone on
+    the device with ``torch.where`` over a snapshot of the master slice and the
+    state, so mismatched shards never combine; while the wrapped optimizer has
+    no state yet, or keeps some on the CPU, the host decides instead (one sync
+    per such round).
     """
     b, kind, group, optimizer, params = ctx.buffers, spec.kind, ctx.group, ctx.optimizer, ctx.pieces
     snapshot, nonfinite, max_grad_norm = ctx.snapshot, ctx.nonfinite, ctx.max_grad_norm
-    b.row[0], b.row[1], b.row[2] = float(spec.local_microbatches), spec.hyper_fingerprint, float(spec.round_id)
+    # fill_ passes each value as a kernel argument: no copy from host memory. (``b.row[i] = value`` would
+    # copy a pageable CPU scalar into device memory: a blocking copy that waits for the hand-off's backward.)
+    for i, value in enumerate((float(spec.local_microbatches), spec.hyper_fingerprint, float(spec.round_id))):
+        b.row[i].fill_(value)
     all_gather_flat(b.rows, b.row, group)  # every rank's [micro-batch count, hyper fingerprint, round id]
     pairs = b.rows.view(-1, 3)
     b.rank_counts.copy_(pairs[:, 0])
@@ -255,11 +261,13 @@ def run_round(ctx: RoundContext, spec: RoundSpec) -> RoundResult:
         report = b.host_empty(values.shape, values.dtype)  # pinned on CUDA
         report.copy_(values, non_blocking=True)
         skipped: Optional[bool] = None
-        # A non-finite gradient is undone on the device under both policies ("raise" then raises from the
-        # report, with theta and the state untouched, as on the CPU path).
+        # Every flag undoes the step on the device, under both policies: a non-finite gradient, and ranks that
+        # handed off different rounds or hyper-parameters (their shards must not combine into weights). The
+        # error itself is raised from the report, on every rank at the same hand-off (driver.read_reports).
         if functional_estimate or (snapshot is not None and snapshot.restorable_on_device(optimizer, params, b.master)):
-            undo = nonfinite_flag
+            undo = flags.any()
         else:  # the first step (it creates state), or a step counter on the CPU: the host decides
+            _check_pairs_on_host(kind, pairs)  # a host sync here anyway: raise as the CPU path does
             skipped = bool(nonfinite_flag)
             if skipped and nonfinite == "raise":
                 raise NonFiniteGradientError(nonfinite_message(kind.value, float(norm)))
@@ -276,7 +284,7 @@ def run_round(ctx: RoundContext, spec: RoundSpec) -> RoundResult:
         # slice that input is the gradient slice itself: each chunk's gradient is read before it is overwritten.
         source = b.staging if b.staging is not None else b.grad
         functional.estimate_into(source, optimizer, params, b.master)
-        if undo is not None:  # a non-finite gradient: the estimate is theta itself
+        if undo is not None:  # a flag was raised: the estimate is theta itself
             torch.where(undo, b.master.to(source.dtype), source, out=source)
     else:
         snapshotted = kind is RoundKind.ESTIMATE and not skipped
@@ -288,7 +296,7 @@ def run_round(ctx: RoundContext, spec: RoundSpec) -> RoundResult:
             if snapshot is not None and not snapshotted:
                 snapshot.stepped = True  # the optimizer's state exists now, for every piece that keeps one
         if undo is not None:
-            snapshot.restore_where(undo, optimizer, params, b.master)  # a non-finite gradient: as if no step
+            snapshot.restore_where(undo, optimizer, params, b.master)  # a flag was raised: as if no step
         source = b.master if b.staging is None else b.staging.copy_(b.master)
     all_gather_flat(b.weights, source, group, b.collectives)  # every rank's new slice -> full weights
     if snapshotted:

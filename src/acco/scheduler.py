@@ -161,6 +161,7 @@ class StreamScheduler:
         else:
             self._worker = _Worker()
         self._closed = False
+        self.host_waits = 0  # host_wait() calls that found the device not done yet (CUDA path)
 
     @property
     def in_flight(self) -> bool:
@@ -266,6 +267,15 @@ class StreamScheduler:
         event = self._api.Event()
         event.record(self._api.current_stream(self.device))  # compute stream: after the work issued so far
         return event
+
+    def host_wait(self, event: Any) -> None:
+        """Block the host until ``event`` (of a round issued earlier) has completed; count it in
+        ``host_waits`` when it had not (a host running ahead of the device). CPU: nothing to wait for."""
+        if not self.uses_streams:
+            return
+        if not event.query():
+            self.host_waits += 1
+            event.synchronize()  # host waits for the device: the only blocking point of the steady state
 
     def synchronize(self) -> None:
         """Block the host until the last round issued has finished on the device (CPU: already true

@@ -213,7 +213,7 @@ def state_dict(opt: "AccoOptimizer", sharded: bool = False) -> Dict[str, Any]:
     """This rank's state (see the module docstring); with ``sharded``, as DTensors for DCP. Local: no collective."""
     _require_boundary(opt, "state_dict")
     opt._driver.collect()  # the in-flight commit: its weights stay pending in the round buffer
-    opt._driver.read_reports(block=True)  # CUDA path: the skip counter is final only once the device has run the rounds
+    opt._driver.read_reports()  # CUDA path: the skip counter is final only once the device has run the rounds
     real = opt.layout.real_numel(opt.rank)
     flat_keys, scalar_keys = _state_keys(opt)
     state = opt.local_optimizer.state

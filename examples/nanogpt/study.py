@@ -1,0 +1,402 @@
+"""The learning-rate study of docs/convergence.md: can I keep my DDP learning rate?
+
+    python examples/nanogpt/study.py                 # run what is missing (resumable), then report
+    python examples/nanogpt/study.py --report-only   # tables and plots from the records alone
+
+Every run is the nanoGPT-style loop of this folder under
+``torchrun --standalone --nproc_per_node=2`` (CPU, gloo, one thread per rank):
+``train_ddp.py`` for DDP + AdamW, ``train_acco.py`` for the ``AccoOptimizer``
+modes. A finished run appends one JSON line to ``--records``; a run whose
+line is there is not run again, so a killed study picks up where it stopped
+(the run in flight starts over). The report reads the records and nothing
+else: the tables go between the study's markers in ``--doc``, the plots
+beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import math
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent.parent
+
+# method -> (script, overrides). ``estimate_gap`` logs |theta~ - theta| / |theta_t+1 - theta_t| every update.
+METHODS: Dict[str, Tuple[str, List[str]]] = {
+    "ddp": ("train_ddp.py", []),
+    "acco": ("train_acco.py", ["--estimate_gap=True"]),
+    "dpu": ("train_acco.py", ["--mode=dpu", "--estimate_gap=True"]),
+    "sync": ("train_acco.py", ["--mode=sync"]),
+}
+BEGIN, END = "<!-- lr-study:begin (written by examples/nanogpt/study.py) -->", "<!-- lr-study:end -->"
+STABLE_WITHIN = 0.05  # DDP is "stable" at an LR where every seed ends finite and within 5% of DDP's best mean
+CLOSE = 0.01  # "within 1% of DDP"
+
+
+# ----------------------------------------------------------------------------- running
+
+
+def config_of(args: argparse.Namespace) -> dict:
+    """What makes two runs comparable (besides method, LR and seed): part of every record."""
+    return {
+        "n_layer": args.n_layer, "n_head": args.n_head, "n_embd": args.n_embd, "block_size": args.block_size,
+        "batch_size": args.batch_size, "gradient_accumulation_steps": args.accum, "max_iters": args.iters,
+        "warmup_iters": args.warmup, "min_lr_ratio": args.min_lr_ratio, "eval_interval": args.eval_interval,
+        "eval_iters": args.eval_iters, "world_size": 2,
+    }
+
+
+def plan(args: argparse.Namespace) -> List[Tuple[str, float, int]]:
+    """The runs, most informative first: seed 0 of every method and LR, then the other seeds."""
+    runs = []
+    for seed in args.seeds:
+        for method in args.methods:
+            if method == "dpu" and seed not in args.dpu_seeds:
+                continue
+            runs += [(method, lr, seed) for lr in args.lrs]
+    return runs
+
+
+def load_records(path: Path) -> List[dict]:
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def key(record_or_run, config: Optional[dict] = None) -> tuple:
+    if isinstance(record_or_run, dict):
+        r = record_or_run
+        return (r["method"], float(r["lr"]), int(r["seed"]), json.dumps(r["config"], sort_keys=True))
+    method, lr, seed = record_or_run
+    return (method, float(lr), int(seed), json.dumps(config, sort_keys=True))
+
+
+def run_one(method: str, lr: float, seed: int, config: dict, workdir: Path) -> dict:
+    """One training run; returns its record (raises if the run fails)."""
+    script, extra = METHODS[method]
+    out = workdir / f"{method}-lr{lr:g}-s{seed}"
+    out.mkdir(parents=True, exist_ok=True)
+    overrides = [
+        f"--out_dir={out}", f"--seed={seed}", f"--learning_rate={lr}", f"--min_lr={lr * config['min_lr_ratio']}",
+        f"--n_layer={config['n_layer']}", f"--n_head={config['n_head']}", f"--n_embd={config['n_embd']}",
+        f"--block_size={config['block_size']}", f"--batch_size={config['batch_size']}",
+        f"--gradient_accumulation_steps={config['gradient_accumulation_steps']}",
+        f"--max_iters={config['max_iters']}", f"--warmup_iters={config['warmup_iters']}",
+        f"--eval_interval={config['eval_interval']}", f"--eval_iters={config['eval_iters']}", *extra,
+    ]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(HERE / script), *overrides]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    start = time.time()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    wall = time.time() - start
+    if proc.returncode != 0:
+        raise RuntimeError(f"run {method} lr={lr:g} seed={seed} failed (exit {proc.returncode}):\n"
+                           f"$ {' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    evals = json.loads((out / "log.json").read_text())
+    train = json.loads((out / "train_log.json").read_text())
+    import torch  # noqa: PLC0415 (only for the version in the record)
+
+    return {
+        "method": method, "lr": lr, "seed": seed, "config": config,
+        "final_val_loss": evals[-1]["val_loss"],
+        "val": [[e["iter"], e["val_loss"]] for e in evals],
+        "train_loss": [t["train_loss"] for t in train],
+        "estimate_gap": [t.get("estimate_gap") for t in train] if "estimate_gap" in train[0] else None,
+        "update_norm": [t.get("update_norm") for t in train] if "update_norm" in train[0] else None,
+        "wall_s": round(wall, 1),
+        "tokens_per_update": config["batch_size"] * config["block_size"] * config["gradient_accumulation_steps"] * 2,
+        "torch": torch.__version__, "cpus": os.cpu_count(), "machine": platform.machine(),
+        "date": datetime.date.today().isoformat(),
+    }
+
+
+def run_missing(args: argparse.Namespace) -> None:
+    config = config_of(args)
+    done = {key(r) for r in load_records(args.records)}
+    todo = [r for r in plan(args) if key(r, config) not in done]
+    print(f"lr study: {len(plan(args)) - len(todo)} runs recorded, {len(todo)} to run -> {args.records}", flush=True)
+    args.records.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="lr-study-") as tmp:
+        for i, (method, lr, seed) in enumerate(todo):
+            try:
+                record = run_one(method, lr, seed, config, Path(tmp))
+            except RuntimeError as exc:  # once more: a shared machine can kill a run (the study is hours long)
+                print(f"{exc}\nretrying once", file=sys.stderr, flush=True)
+                record = run_one(method, lr, seed, config, Path(tmp))
+            with open(args.records, "a") as f:
+                f.write(json.dumps(record) + "\n")  # one line per finished run: the study resumes from here
+            print(f"[{i + 1}/{len(todo)}] {method} lr={lr:g} seed={seed}: final held-out loss "
+                  f"{record['final_val_loss']:.4f} ({record['wall_s']:.0f} s)", flush=True)
+
+
+# ----------------------------------------------------------------------------- the report (records only)
+
+
+def finite(x) -> bool:
+    return x is not None and math.isfinite(x)
+
+
+def table_of(records: List[dict]) -> Dict[str, Dict[float, List[dict]]]:
+    """method -> lr -> records (sorted by seed)."""
+    out: Dict[str, Dict[float, List[dict]]] = {}
+    for r in records:
+        out.setdefault(r["method"], {}).setdefault(float(r["lr"]), []).append(r)
+    for by_lr in out.values():
+        for rs in by_lr.values():
+            rs.sort(key=lambda r: r["seed"])
+    return out
+
+
+def mean_loss(rs: List[dict]) -> float:
+    losses = [r["final_val_loss"] for r in rs]
+    return statistics.fmean(losses) if all(finite(x) for x in losses) else math.inf
+
+
+def paired_gaps(a: List[dict], b: List[dict]) -> List[float]:
+    """Per seed (same init and data in both): (a - b) / b of the final held-out loss."""
+    bs = {r["seed"]: r["final_val_loss"] for r in b}
+    return [(r["final_val_loss"] - bs[r["seed"]]) / bs[r["seed"]] for r in a if r["seed"] in bs]
+
+
+def summarize(records: List[dict]) -> dict:
+    """Every number the report prints, computed from the records alone."""
+    t = table_of(records)
+    if "ddp" not in t:
+        raise SystemExit("no DDP records: the report compares every method to DDP")
+    lrs = sorted({lr for by_lr in t.values() for lr in by_lr})
+    ddp = t["ddp"]
+    ddp_best_lr = min(ddp, key=lambda lr: mean_loss(ddp[lr]))
+    ddp_best = mean_loss(ddp[ddp_best_lr])
+    stable = [lr for lr in sorted(ddp) if all(finite(r["final_val_loss"]) and
+                                              r["final_val_loss"] <= ddp_best * (1 + STABLE_WITHIN) for r in ddp[lr])]
+    out = {"lrs": lrs, "ddp_best_lr": ddp_best_lr, "ddp_best_loss": ddp_best, "ddp_stable_lrs": stable,
+           "highest_stable_lr": max(stable), "methods": {}}
+    for method, by_lr in t.items():
+        cells = {}
+        for lr, rs in sorted(by_lr.items()):
+            losses = [r["final_val_loss"] for r in rs]
+            cell = {"n": len(rs), "mean": mean_loss(rs), "min": min(losses), "max": max(losses),
+                    "std": statistics.stdev(losses) if len(rs) > 1 and all(finite(x) for x in losses) else 0.0}
+            if lr in ddp:
+                gaps = paired_gaps(rs, ddp[lr])
+                cell["gap"] = (cell["mean"] - mean_loss(ddp[lr])) / mean_loss(ddp[lr])
+                cell["gap_min"], cell["gap_max"] = (min(gaps), max(gaps)) if gaps else (math.nan, math.nan)
+            cells[lr] = cell
+        best_lr = min(cells, key=lambda lr: cells[lr]["mean"])
+        within = [lr for lr in sorted(cells) if lr in ddp and cells[lr]["gap"] <= CLOSE]
+        out["methods"][method] = {"cells": cells, "best_lr": best_lr, "best_loss": cells[best_lr]["mean"],
+                                  "within_1pct_lrs": within,
+                                  "gap_at_ddp_best": cells.get(ddp_best_lr, {}).get("gap", math.nan)}
+    return out
+
+
+def gap_over_time(a: List[dict], b: List[dict], window: int) -> List[float]:
+    """Relative train-loss gap (a - b) / b per update, paired by seed, averaged over seeds, smoothed."""
+    bs = {r["seed"]: r["train_loss"] for r in b}
+    rows = [[(x - y) / y for x, y in zip(r["train_loss"], bs[r["seed"]])] for r in a if r["seed"] in bs]
+    if not rows:
+        return []
+    mean = [statistics.fmean(col) for col in zip(*rows)]
+    return [statistics.fmean(mean[max(0, i - window + 1): i + 1]) for i in range(len(mean))]
+
+
+def phase_gaps(a: List[dict], b: List[dict], bounds: List[int]) -> List[float]:
+    """Mean relative train-loss gap over the update ranges [bounds[i], bounds[i+1])."""
+    g = gap_over_time(a, b, 1)
+    return [statistics.fmean(g[lo:hi]) if g[lo:hi] else math.nan for lo, hi in zip(bounds, bounds[1:])]
+
+
+def estimate_ratio(rs: List[dict], lo: int, hi: int) -> float:
+    """Median over seeds and updates [lo, hi) of |theta~ - theta| / |theta_t+1 - theta_t|."""
+    vals = [g / u for r in rs if r.get("estimate_gap") for g, u in zip(r["estimate_gap"][lo:hi], r["update_norm"][lo:hi])
+            if finite(g) and finite(u) and u > 0]
+    return statistics.median(vals) if vals else math.nan
+
+
+def pct(x: float) -> str:
+    return "n/a" if not finite(x) else f"{x:+.2%}"
+
+
+def report_markdown(records: List[dict], s: dict) -> str:
+    t = table_of(records)
+    methods = [m for m in ["ddp", "acco", *sorted(set(t) - {"ddp", "acco", "dpu"}), "dpu"] if m in t]
+    cfg = records[0]["config"]
+    tokens = records[0]["tokens_per_update"]
+    hours = sum(r["wall_s"] for r in records) / 3600
+    lines = [BEGIN, "",
+             f"Records: {len(records)} runs, {hours:.2f} h of run time in all, "
+             f"{cfg['n_layer']} layers x {cfg['n_embd']} wide, {cfg['max_iters']} updates of {tokens:,} tokens "
+             f"(2 ranks x {cfg['gradient_accumulation_steps']} micro-batches x {cfg['batch_size']} x "
+             f"{cfg['block_size']}), warm-up {cfg['warmup_iters']}, cosine to {cfg['min_lr_ratio']:g} x peak; "
+             f"held-out loss on {cfg['eval_iters']} fixed batches.", "",
+             "Final held-out loss, mean ± std over seeds [min–max] (n seeds); gap to DDP at the same LR, "
+             "mean of seeds and [range of per-seed gaps]:", "",
+             "| peak LR | " + " | ".join(methods) + " |", "|---|" + "---|" * len(methods)]
+    for lr in s["lrs"]:
+        row = [f"{lr:g}"]
+        for m in methods:
+            c = s["methods"][m]["cells"].get(lr)
+            if c is None:
+                row.append("—")
+                continue
+            text = f"{c['mean']:.4f} ± {c['std']:.4f} [{c['min']:.4f}–{c['max']:.4f}] ({c['n']})"
+            if m != "ddp" and "gap" in c:
+                text += f"<br>{pct(c['gap'])} [{pct(c['gap_min'])}, {pct(c['gap_max'])}]"
+            row.append(text)
+        lines.append("| " + " | ".join(row) + " |")
+    lines += ["", "| method | best LR | loss there | gap at DDP's best LR | LRs within 1% of DDP |", "|---|---|---|---|---|"]
+    for m in methods:
+        ms = s["methods"][m]
+        within = ", ".join(f"{lr:g}" for lr in ms["within_1pct_lrs"]) or "none"
+        gap = "—" if m == "ddp" else pct(ms["gap_at_ddp_best"])
+        lines.append(f"| {m} | {ms['best_lr']:g} | {ms['best_loss']:.4f} | {gap} | {within} |")
+    best, high = s["ddp_best_lr"], s["highest_stable_lr"]
+    lines += ["", f"DDP's best LR: {best:g} (loss {s['ddp_best_loss']:.4f}). DDP is stable (every seed finite and "
+              f"within {STABLE_WITHIN:.0%} of its best) at: {', '.join(f'{lr:g}' for lr in s['ddp_stable_lrs'])}; "
+              f"highest: {high:g}.", "",
+              "Where the gap is made: mean relative train-loss gap to DDP (same seeds, same batches) over ranges "
+              "of updates, and the median |θ̃ − θ| / |θ_{t+1} − θ_t| over the same ranges:", ""]
+    n = cfg["max_iters"]
+    bounds = sorted({0, min(10, n), min(50, n), min(150, n), n})
+    head = " | ".join(f"updates {lo}–{hi - 1}" for lo, hi in zip(bounds, bounds[1:]))
+    lines += [f"| method, LR | {head} |", "|---|" + "---|" * (len(bounds) - 1)]
+    for lr in sorted({best, high}):
+        for m in methods:
+            if m == "ddp" or lr not in t[m] or lr not in t["ddp"]:
+                continue
+            gaps = phase_gaps(t[m][lr], t["ddp"][lr], bounds)
+            ratios = [estimate_ratio(t[m][lr], lo, hi) for lo, hi in zip(bounds, bounds[1:])]
+            cells = [pct(g) + ("" if not finite(q) else f"; {q:.2f}") for g, q in zip(gaps, ratios)]
+            lines.append(f"| {m}, {lr:g} | " + " | ".join(cells) + " |")
+    lines += ["", "![final loss vs LR](convergence_lr.png)", "", "![curves and gap over time](convergence_lr_curves.png)",
+              "", END]
+    return "\n".join(lines)
+
+
+def write_doc(doc: Path, block: str) -> None:
+    text = doc.read_text() if doc.exists() else ""
+    if BEGIN in text and END in text:
+        text = text[: text.index(BEGIN)] + block + text[text.index(END) + len(END):]
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    doc.write_text(text)
+
+
+def plot(records: List[dict], s: dict, out_dir: Path) -> List[Path]:
+    import matplotlib  # noqa: PLC0415 (an example's extra)
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    t = table_of(records)
+    colors = {"ddp": "black", "acco": "tab:blue", "dpu": "tab:red", "sync": "tab:gray"}
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for m, by_lr in t.items():
+        lrs = sorted(by_lr)
+        cells = s["methods"][m]["cells"]
+        means = [min(cells[lr]["mean"], 1e3) for lr in lrs]
+        lo = [means[i] - cells[lr]["min"] for i, lr in enumerate(lrs)]
+        hi = [min(cells[lr]["max"], 1e3) - means[i] for i, lr in enumerate(lrs)]
+        ax.errorbar(lrs, means, yerr=[lo, hi], marker="o", capsize=3, label=m, color=colors.get(m))
+    ax.set_xscale("log")
+    ax.set_xlabel("peak learning rate")
+    ax.set_ylabel("final held-out loss (mean, min–max over seeds)")
+    finite_best = [c["mean"] for ms in s["methods"].values() for c in ms["cells"].values() if finite(c["mean"])]
+    ax.set_ylim(min(finite_best) * 0.98, min(max(finite_best), min(finite_best) * 1.4))
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    first = out_dir / "convergence_lr.png"
+    fig.savefig(first, dpi=110)
+    plt.close(fig)
+
+    lrs = sorted({s["ddp_best_lr"], s["highest_stable_lr"]})
+    fig, axes = plt.subplots(2, len(lrs), figsize=(6 * len(lrs), 7), squeeze=False)
+    for j, lr in enumerate(lrs):
+        for m, by_lr in t.items():
+            if lr not in by_lr:
+                continue
+            rs = by_lr[lr]
+            iters = [i for i, _ in rs[0]["val"]]
+            mean = [statistics.fmean(r["val"][k][1] for r in rs) for k in range(len(iters))]
+            axes[0][j].plot(iters, mean, marker=".", label=f"{m} ({len(rs)} seeds)", color=colors.get(m))
+            if m != "ddp" and lr in t["ddp"]:
+                axes[1][j].plot(gap_over_time(rs, t["ddp"][lr], 10), label=m, color=colors.get(m))
+        axes[0][j].set_title(f"peak LR {lr:g}")
+        axes[0][j].set_ylabel("held-out loss")
+        axes[0][j].set_yscale("log")
+        axes[0][j].legend()
+        axes[1][j].axhline(0, color="black", lw=0.5)
+        axes[1][j].set_ylabel("train-loss gap to DDP (10-update mean)")
+        axes[1][j].set_xlabel("update")
+        axes[1][j].set_ylim(-0.05, 0.25)
+        axes[1][j].legend()
+    fig.tight_layout()
+    second = out_dir / "convergence_lr_curves.png"
+    fig.savefig(second, dpi=110)
+    plt.close(fig)
+    return [first, second]
+
+
+def report(args: argparse.Namespace) -> dict:
+    config = config_of(args)
+    records = [r for r in load_records(args.records) if r["config"] == config and r["method"] in args.methods]
+    if not records:
+        raise SystemExit(f"no records for this configuration in {args.records}: run the study first")
+    s = summarize(records)
+    write_doc(args.doc, report_markdown(records, s))
+    if not args.no_plots:
+        plot(records, s, args.doc.parent)
+    print(f"report: {len(records)} records -> {args.doc}", flush=True)
+    return s
+
+
+def parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--records", type=Path, default=ROOT / "docs" / "convergence_data" / "lr_study.jsonl")
+    p.add_argument("--doc", type=Path, default=ROOT / "docs" / "convergence.md")
+    p.add_argument("--methods", type=lambda s: s.split(","), default=["ddp", "acco", "dpu"])
+    p.add_argument("--lrs", type=lambda s: [float(x) for x in s.split(",")], default=[1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2])
+    p.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[0, 1, 2])
+    p.add_argument("--dpu-seeds", type=lambda s: [int(x) for x in s.split(",")], default=[0])
+    p.add_argument("--iters", type=int, default=500)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--min-lr-ratio", type=float, default=0.1)
+    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--n-embd", type=int, default=128)
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--accum", type=int, default=4)
+    p.add_argument("--eval-interval", type=int, default=50)
+    p.add_argument("--eval-iters", type=int, default=16)
+    p.add_argument("--report-only", action="store_true")
+    p.add_argument("--no-plots", action="store_true")
+    args = p.parse_args(argv)
+    unknown = set(args.methods) - set(METHODS)
+    if unknown:
+        p.error(f"unknown method(s) {sorted(unknown)}: choose from {sorted(METHODS)}")
+    return args
+
+
+def main(argv=None) -> dict:
+    args = parse(argv)
+    if not args.report_only:
+        run_missing(args)
+    return report(args)
+
+
+if __name__ == "__main__":
+    main()
