@@ -8,7 +8,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: venv test demo study bench clean
+.PHONY: venv test demo study lr-study bench clean
 
 $(VENV)/.ready: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,12 @@ demo: $(VENV)/.ready
 ## The convergence study of docs/convergence.md (about 100 minutes on 2 cores).
 study: $(VENV)/.ready
 	$(PY) examples/gpt/study.py --out runs/study --steps 600 --eval-every 50
+
+## The learning-rate study of docs/convergence.md (DDP vs ACCO, 5 LRs, 3 seeds, DPU and two remedies): resumable,
+## appends to docs/convergence_data/lr_study.jsonl, then rewrites its tables and plots. About 270 s a run on 2 cores,
+## 65 runs. `make lr-study LR_STUDY_ARGS=--report-only` redraws from the records alone.
+lr-study: $(VENV)/.ready
+	nice -n 19 $(PY) examples/nanogpt/study.py $(LR_STUDY_ARGS)
 
 ## The benchmarks of docs/benchmarks.md (root: network namespaces and tc). Every point 3 times, the methods
 ## interleaved; report.py gives median [min-max]. On 2 cores (2026-11-23): overlap 29 min, hetero 14 min,

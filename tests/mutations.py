@@ -82,6 +82,15 @@ cases = [
   "            undo = flags.any()\n", "            undo = nonfinite_flag\n", "tests/test_stream_protocol.py -k undone"),
  ("M33 round group connected lazily", "src/acco/optimizer.py",
   "            connect(round_group, device)", "            pass", "tests/test_stream_protocol.py -k connected"),
+ ("M34 estimate_microbatches ignored", "src/acco/loops.py",
+  "        return self.opt.estimate_microbatches or m // 2", "        return m // 2",
+  "tests/test_update_equivalence.py -k estimate"),
+ ("M35 synchronous_updates ignored at step()", "src/acco/loops.py",
+  "        synchronous = opt.mode == \"sync\" or p.commits_handed_off < opt.synchronous_updates",
+  "        synchronous = opt.mode == \"sync\"", "tests/test_update_equivalence.py -k sync2"),
+ ("M36 estimate handed off during the synchronous updates", "src/acco/loops.py",
+  "\n                and p.commits_handed_off >= opt.synchronous_updates):", "):",
+  "tests/test_update_equivalence.py -k acco/m2-sync2"),
 ]
 only = sys.argv[1:]
 for name, path, old, new, tests in cases:

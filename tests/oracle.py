@@ -98,6 +98,8 @@ def update_run(
     m: int,
     learned: bool = False,
     lr_at: Optional[Callable[[int], float]] = None,
+    h: Optional[int] = None,
+    synchronous_updates: int = 0,
 ):
     """One ``step()`` per update of ``m`` micro-batches per rank (``algorithm.md``, "Hand-offs in the user's loop").
 
@@ -106,7 +108,9 @@ def update_run(
     all-reduces); an estimate extrapolates its ``h = m // 2`` micro-batches to
     ``m``. ``learned``: mode acco learned ``m`` from a first update that ran
     synchronously. ``lr_at(t)``: the learning rate of update ``t`` (a scheduler
-    stepped after each ``step()``).
+    stepped after each ``step()``). ``h``: micro-batches before the estimate
+    (``estimate_microbatches``; default ``m // 2``). ``synchronous_updates``: the
+    first updates run as in mode sync (acco and dpu).
 
     Returns ``(after_step, committed, final)``: the model after each ``step()``
     (the same on every rank), the committed weights after each ``step()``
@@ -119,7 +123,7 @@ def update_run(
     nxt = [0] * n_ranks
     after_step: List[Tensors] = []
     committed: List[Tensors] = []
-    h = m // 2
+    h = h or m // 2
 
     def accumulate(accum: Tensors, count: int) -> None:
         for r in range(n_ranks):
@@ -133,7 +137,8 @@ def update_run(
             for g in opt.param_groups:
                 g["lr"] = lr_at(t)
         accum = [torch.zeros_like(x) for x in theta]
-        if mode == "acco" and not (learned and t == 0):
+        synchronous = t < synchronous_updates or (learned and t == 0)
+        if mode == "acco" and not synchronous:
             accumulate(accum, h)
             if pending is not None:  # hand-off of the estimate: theta_t into the model
                 model, pending = [x.clone() for x in pending], None
@@ -148,7 +153,7 @@ def update_run(
                 model = [x.clone() for x in pending]
             _opt_step(opt, theta, [a / n_ranks for a in accum])
             pending = [x.detach().clone() for x in theta]
-            if mode == "sync" or (mode == "acco" and learned and t == 0):
+            if mode == "sync" or synchronous:
                 model, pending = pending, None
         after_step.append([x.clone() for x in model])
         committed.append([x.clone() for x in (pending if pending is not None else model)])

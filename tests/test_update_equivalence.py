@@ -25,14 +25,19 @@ OPTIMIZERS = {
     "adamw": (torch.optim.AdamW, dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)),
     "sgd_momentum": (torch.optim.SGD, dict(lr=5e-2, momentum=0.9, weight_decay=0.01)),
 }
-# (name, mode, micro-batches per update, given to the optimizer?, schedule)
-CONFIGS = [(f"{o}/{mode}/m2", o, mode, 2, True, False) for o in OPTIMIZERS for mode in ("acco", "dpu", "sync")]
+# (name, mode, micro-batches per update, given to the optimizer?, schedule, options against the delay)
+CONFIGS = [(f"{o}/{mode}/m2", o, mode, 2, True, False, {}) for o in OPTIMIZERS for mode in ("acco", "dpu", "sync")]
 CONFIGS += [
-    ("adamw/acco/m3", "adamw", "acco", 3, True, False),  # halves of 1 and 2 micro-batches
-    ("adamw/acco/m4-learned", "adamw", "acco", 4, False, False),  # first update synchronous
-    ("adamw/sync/m1", "adamw", "sync", 1, False, False),
-    ("adamw/dpu/m1", "adamw", "dpu", 1, False, False),
-    ("adamw/acco/m2-lambdalr", "adamw", "acco", 2, True, True),  # scheduler stepped after every step()
+    ("adamw/acco/m3", "adamw", "acco", 3, True, False, {}),  # halves of 1 and 2 micro-batches
+    ("adamw/acco/m4-learned", "adamw", "acco", 4, False, False, {}),  # first update synchronous
+    ("adamw/sync/m1", "adamw", "sync", 1, False, False, {}),
+    ("adamw/dpu/m1", "adamw", "dpu", 1, False, False, {}),
+    ("adamw/acco/m2-lambdalr", "adamw", "acco", 2, True, True, {}),  # scheduler stepped after every step()
+    ("adamw/acco/m4-estimate3", "adamw", "acco", 4, True, False, {"estimate_microbatches": 3}),  # a later hand-off
+    ("adamw/acco/m2-sync2", "adamw", "acco", 2, True, False, {"synchronous_updates": 2}),  # then the overlap
+    ("adamw/dpu/m2-sync2", "adamw", "dpu", 2, True, False, {"synchronous_updates": 2}),  # the paper's DPU warm-up
+    ("adamw/acco/m4-learned-estimate1-sync3", "adamw", "acco", 4, False, False,
+     {"estimate_microbatches": 1, "synchronous_updates": 3}),
 ]
 
 
@@ -42,11 +47,12 @@ def _lr(t: int) -> float:
 
 def _worker(rank: int, world: int) -> dict:
     out = {}
-    for name, opt_name, mode, m, given, schedule in CONFIGS:
+    for name, opt_name, mode, m, given, schedule, options in CONFIGS:
         cls, kw = OPTIMIZERS[opt_name]
         model = make_model()
         theta0 = [p.detach().clone() for p in model.parameters()]
-        opt = AccoOptimizer(model.parameters(), cls, mode=mode, microbatches_per_update=m if given else None, **kw)
+        opt = AccoOptimizer(model.parameters(), cls, mode=mode, microbatches_per_update=m if given else None,
+                            **options, **kw)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: _lr(t) / 1e-2) if schedule else None
         traj, committed = [], []
         for t in range(UPDATES):
@@ -68,13 +74,15 @@ def _worker(rank: int, world: int) -> dict:
 
         ref_steps, ref_committed, ref_final = update_run(
             theta0, lambda ps: cls(ps, **kw), mode, scaled, world, UPDATES, m, learned=not given and mode == "acco",
-            lr_at=_lr if schedule else None)
+            lr_at=_lr if schedule else None, h=options.get("estimate_microbatches"),
+            synchronous_updates=options.get("synchronous_updates", 0))
         out[name] = {
             "step_err": max(rel_err(a, flat_list(b)) for a, b in zip(traj, ref_steps)),
             "committed_err": max(rel_err(a, flat_list(b)) for a, b in zip(committed, ref_committed)),
             "final_err": rel_err(final, flat_list(ref_final)),
             "moved": (final - flat_list(theta0)).abs().max().item(),
             "updates": opt.num_updates,
+            "rounds": opt.num_rounds,
             "learned_m": opt.microbatches_per_update,
         }
     return out
@@ -89,10 +97,16 @@ def _results(world: int):
 @pytest.mark.parametrize("name", [c[0] for c in CONFIGS])
 def test_one_step_per_update_matches_oracle(world, name):
     """Check the model after every step(), the committed weights and the model after finish() against the oracle."""
-    mode_m = {c[0]: (c[2], c[3]) for c in CONFIGS}[name]
+    _, _, mode, m, given, _, options = next(c for c in CONFIGS if c[0] == name)
+    mode_m = (mode, m)
+    # One round per update, two per overlapped acco update: the synchronous ones (learned M, synchronous_updates)
+    # run no estimate round.
+    synchronous = max(options.get("synchronous_updates", 0), int(not given))
+    rounds = 2 * UPDATES - min(synchronous, UPDATES) if mode == "acco" else UPDATES
     for rank, res in enumerate(_results(world)):
         r = res[name]
         assert r["updates"] == UPDATES, r
+        assert r["rounds"] == rounds, r
         assert r["moved"] > 1e-3, "the weights must actually change for the comparison to mean anything"
         assert r["step_err"] < TOL, f"rank {rank}: {r}"
         assert r["committed_err"] < TOL, f"rank {rank}: {r}"

@@ -32,15 +32,20 @@ from typing import Dict, List, Optional, Tuple
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent.parent
 
-# method -> (script, overrides). ``estimate_gap`` logs |theta~ - theta| / |theta_t+1 - theta_t| every update.
-METHODS: Dict[str, Tuple[str, List[str]]] = {
-    "ddp": ("train_ddp.py", []),
-    "acco": ("train_acco.py", ["--estimate_gap=True"]),
-    "dpu": ("train_acco.py", ["--mode=dpu", "--estimate_gap=True"]),
-    "sync": ("train_acco.py", ["--mode=sync"]),
+# method -> (script, its settings, instrument.py's flags). ``--estimate-gap`` logs |theta~ - theta| and
+# |theta_t+1 - theta_t| after every update; ``--acco-option`` passes an AccoOptimizer option (the remedies).
+GAP = "--estimate-gap"
+METHODS: Dict[str, Tuple[str, List[str], List[str]]] = {
+    "ddp": ("train_ddp.py", [], []),
+    "acco": ("train_acco.py", [], [GAP]),
+    "dpu": ("train_acco.py", ["--mode=dpu"], [GAP]),
+    "sync": ("train_acco.py", ["--mode=sync"], []),
+    "acco-sync20": ("train_acco.py", [], [GAP, "--acco-option=synchronous_updates=20"]),
+    "acco-estimate3": ("train_acco.py", [], [GAP, "--acco-option=estimate_microbatches=3"]),
 }
 BEGIN, END = "<!-- lr-study:begin (written by examples/nanogpt/study.py) -->", "<!-- lr-study:end -->"
-STABLE_WITHIN = 0.05  # DDP is "stable" at an LR where every seed ends finite and within 5% of DDP's best mean
+NEAR_BEST = 0.05  # DDP is "near its best" at an LR where every seed ends within 5% of DDP's best mean
+STABLE_AFTER, STABLE_RISE = 50, 0.01  # "stable": after update 50 no held-out evaluation rises by more than 1%
 CLOSE = 0.01  # "within 1% of DDP"
 
 
@@ -58,14 +63,12 @@ def config_of(args: argparse.Namespace) -> dict:
 
 
 def plan(args: argparse.Namespace) -> List[Tuple[str, float, int]]:
-    """The runs, most informative first: seed 0 of every method and LR, then the other seeds."""
-    runs = []
-    for seed in args.seeds:
-        for method in args.methods:
-            if method == "dpu" and seed not in args.dpu_seeds:
-                continue
-            runs += [(method, lr, seed) for lr in args.lrs]
-    return runs
+    """The runs, most informative first: the first seed of every method and LR, then the other seeds of DDP and
+    ACCO (the comparison the study is for), then the other seeds of the remedies."""
+    runs = [(m, lr, seed) for seed in args.seeds for m in args.methods for lr in args.lrs
+            if m != "dpu" or seed in args.dpu_seeds]
+    first = args.seeds[0]
+    return sorted(runs, key=lambda r: (r[2] != first and r[0] not in ("ddp", "acco"), r[2], args.methods.index(r[0]), r[1]))
 
 
 def load_records(path: Path) -> List[dict]:
@@ -84,7 +87,7 @@ def key(record_or_run, config: Optional[dict] = None) -> tuple:
 
 def run_one(method: str, lr: float, seed: int, config: dict, workdir: Path) -> dict:
     """One training run; returns its record (raises if the run fails)."""
-    script, extra = METHODS[method]
+    script, extra, flags = METHODS[method]
     out = workdir / f"{method}-lr{lr:g}-s{seed}"
     out.mkdir(parents=True, exist_ok=True)
     overrides = [
@@ -96,7 +99,7 @@ def run_one(method: str, lr: float, seed: int, config: dict, workdir: Path) -> d
         f"--eval_interval={config['eval_interval']}", f"--eval_iters={config['eval_iters']}", *extra,
     ]
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(HERE / script), *overrides]
+           str(HERE / "instrument.py"), *flags, str(HERE / script), *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     start = time.time()
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
@@ -106,6 +109,8 @@ def run_one(method: str, lr: float, seed: int, config: dict, workdir: Path) -> d
                            f"$ {' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
     evals = json.loads((out / "log.json").read_text())
     train = json.loads((out / "train_log.json").read_text())
+    gap_file = out / "estimate_gap.json"
+    gaps = json.loads(gap_file.read_text()) if gap_file.exists() else None
     import torch  # noqa: PLC0415 (only for the version in the record)
 
     return {
@@ -113,8 +118,8 @@ def run_one(method: str, lr: float, seed: int, config: dict, workdir: Path) -> d
         "final_val_loss": evals[-1]["val_loss"],
         "val": [[e["iter"], e["val_loss"]] for e in evals],
         "train_loss": [t["train_loss"] for t in train],
-        "estimate_gap": [t.get("estimate_gap") for t in train] if "estimate_gap" in train[0] else None,
-        "update_norm": [t.get("update_norm") for t in train] if "update_norm" in train[0] else None,
+        "estimate_gap": [g["estimate_gap"] for g in gaps] if gaps else None,
+        "update_norm": [g["update_norm"] for g in gaps] if gaps else None,
         "wall_s": round(wall, 1),
         "tokens_per_update": config["batch_size"] * config["block_size"] * config["gradient_accumulation_steps"] * 2,
         "torch": torch.__version__, "cpus": os.cpu_count(), "machine": platform.machine(),
@@ -170,6 +175,12 @@ def paired_gaps(a: List[dict], b: List[dict]) -> List[float]:
     return [(r["final_val_loss"] - bs[r["seed"]]) / bs[r["seed"]] for r in a if r["seed"] in bs]
 
 
+def stable_run(r: dict) -> bool:
+    """No divergence: finite, and after update STABLE_AFTER no held-out evaluation rises by more than 1%."""
+    vals = [v for it, v in r["val"] if it >= STABLE_AFTER]
+    return all(finite(v) for v in vals) and all(b <= a * (1 + STABLE_RISE) for a, b in zip(vals, vals[1:]))
+
+
 def summarize(records: List[dict]) -> dict:
     """Every number the report prints, computed from the records alone."""
     t = table_of(records)
@@ -179,10 +190,10 @@ def summarize(records: List[dict]) -> dict:
     ddp = t["ddp"]
     ddp_best_lr = min(ddp, key=lambda lr: mean_loss(ddp[lr]))
     ddp_best = mean_loss(ddp[ddp_best_lr])
-    stable = [lr for lr in sorted(ddp) if all(finite(r["final_val_loss"]) and
-                                              r["final_val_loss"] <= ddp_best * (1 + STABLE_WITHIN) for r in ddp[lr])]
+    near = [lr for lr in sorted(ddp) if all(r["final_val_loss"] <= ddp_best * (1 + NEAR_BEST) for r in ddp[lr])]
+    stable = [lr for lr in sorted(ddp) if all(stable_run(r) for r in ddp[lr])]
     out = {"lrs": lrs, "ddp_best_lr": ddp_best_lr, "ddp_best_loss": ddp_best, "ddp_stable_lrs": stable,
-           "highest_stable_lr": max(stable), "methods": {}}
+           "ddp_near_best_lrs": near, "highest_stable_lr": max(stable) if stable else ddp_best_lr, "methods": {}}
     for method, by_lr in t.items():
         cells = {}
         for lr, rs in sorted(by_lr.items()):
@@ -195,7 +206,7 @@ def summarize(records: List[dict]) -> dict:
                 cell["gap_min"], cell["gap_max"] = (min(gaps), max(gaps)) if gaps else (math.nan, math.nan)
             cells[lr] = cell
         best_lr = min(cells, key=lambda lr: cells[lr]["mean"])
-        within = [lr for lr in sorted(cells) if lr in ddp and cells[lr]["gap"] <= CLOSE]
+        within = [lr for lr in sorted(cells) if lr in ddp and method != "ddp" and cells[lr]["gap"] <= CLOSE]
         out["methods"][method] = {"cells": cells, "best_lr": best_lr, "best_loss": cells[best_lr]["mean"],
                                   "within_1pct_lrs": within,
                                   "gap_at_ddp_best": cells.get(ddp_best_lr, {}).get("gap", math.nan)}
@@ -259,13 +270,15 @@ def report_markdown(records: List[dict], s: dict) -> str:
     lines += ["", "| method | best LR | loss there | gap at DDP's best LR | LRs within 1% of DDP |", "|---|---|---|---|---|"]
     for m in methods:
         ms = s["methods"][m]
-        within = ", ".join(f"{lr:g}" for lr in ms["within_1pct_lrs"]) or "none"
+        within = "—" if m == "ddp" else ", ".join(f"{lr:g}" for lr in ms["within_1pct_lrs"]) or "none"
         gap = "—" if m == "ddp" else pct(ms["gap_at_ddp_best"])
         lines.append(f"| {m} | {ms['best_lr']:g} | {ms['best_loss']:.4f} | {gap} | {within} |")
     best, high = s["ddp_best_lr"], s["highest_stable_lr"]
-    lines += ["", f"DDP's best LR: {best:g} (loss {s['ddp_best_loss']:.4f}). DDP is stable (every seed finite and "
-              f"within {STABLE_WITHIN:.0%} of its best) at: {', '.join(f'{lr:g}' for lr in s['ddp_stable_lrs'])}; "
-              f"highest: {high:g}.", "",
+    done = f"{len(records)} of the plan's runs are recorded; a method's best LR is among the LRs it has run."
+    lines += ["", f"DDP's best LR: {best:g} (loss {s['ddp_best_loss']:.4f}). DDP is within {NEAR_BEST:.0%} of its best "
+              f"at: {', '.join(f'{lr:g}' for lr in s['ddp_near_best_lrs'])}; stable (no held-out rise above "
+              f"{STABLE_RISE:.0%} after update {STABLE_AFTER}, every seed) at: "
+              f"{', '.join(f'{lr:g}' for lr in s['ddp_stable_lrs']) or 'none'}; highest stable: {high:g}. {done}", "",
               "Where the gap is made: mean relative train-loss gap to DDP (same seeds, same batches) over ranges "
               "of updates, and the median |θ̃ − θ| / |θ_{t+1} − θ_t| over the same ranges:", ""]
     n = cfg["max_iters"]
@@ -342,7 +355,8 @@ def plot(records: List[dict], s: dict, out_dir: Path) -> List[Path]:
         axes[1][j].set_ylabel("train-loss gap to DDP (10-update mean)")
         axes[1][j].set_xlabel("update")
         axes[1][j].set_ylim(-0.05, 0.25)
-        axes[1][j].legend()
+        if axes[1][j].get_legend_handles_labels()[0]:
+            axes[1][j].legend()
     fig.tight_layout()
     second = out_dir / "convergence_lr_curves.png"
     fig.savefig(second, dpi=110)
@@ -367,7 +381,7 @@ def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--records", type=Path, default=ROOT / "docs" / "convergence_data" / "lr_study.jsonl")
     p.add_argument("--doc", type=Path, default=ROOT / "docs" / "convergence.md")
-    p.add_argument("--methods", type=lambda s: s.split(","), default=["ddp", "acco", "dpu"])
+    p.add_argument("--methods", type=lambda s: s.split(","), default=["ddp", "acco", "dpu", "acco-sync20", "acco-estimate3"])
     p.add_argument("--lrs", type=lambda s: [float(x) for x in s.split(",")], default=[1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2])
     p.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[0, 1, 2])
     p.add_argument("--dpu-seeds", type=lambda s: [int(x) for x in s.split(",")], default=[0])

@@ -17,7 +17,6 @@ from acco import AccoOptimizer
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "gpt"))
 from data import load_corpus  # noqa: E402
-from diagnostics import EstimateGap  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
 
 out_dir = "runs/nanogpt"
@@ -33,7 +32,6 @@ weight_decay, beta1, beta2, grad_clip = 0.1, 0.9, 0.95, 1.0
 stop_at = -1  # stop (as if killed) after this iteration, for resume tests
 seed = 0  # model init and data order
 mode = "acco"  # or the baselines: "sync" (ZeRO-1, no overlap), "dpu" (delayed, uncompensated)
-estimate_gap = False  # the LR study's diagnostic: log |theta~ - theta| and |theta_t+1 - theta_t|
 for arg in sys.argv[1:]:
     key, val = arg[2:].split("=", 1)
     globals()[key] = type(globals()[key])(val)
@@ -72,7 +70,6 @@ if init_from == "resume":
     optimizer.load_state_dict(torch.load(os.path.join(out_dir, f"optim.rank{rank}.pt"), weights_only=True))
     iter_num = checkpoint["iter_num"]
 raw_model = model
-gap = EstimateGap(raw_model) if estimate_gap else None
 
 
 def get_lr(it):
@@ -117,8 +114,6 @@ while True:
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
     train_log.append({"iter": iter_num, "train_loss": train_loss})
-    if gap is not None and master_process:
-        train_log[-1].update(gap(optimizer))
     iter_num += 1
 
 optimizer.finish()

@@ -45,20 +45,26 @@ class UpdateLoop:
         p.mb_in_update += 1
         p.at_boundary = False
         m = p.microbatches_per_update
-        if opt.mode == "acco" and m is not None and not p.estimate_in_update and p.mb_in_update == m // 2:
+        if (opt.mode == "acco" and m is not None and not p.estimate_in_update and p.mb_in_update == self.estimate_at(m)
+                and p.commits_handed_off >= opt.synchronous_updates):
             opt._check_open()
             p.update_hyper = opt._hyperparams()  # both rounds of one update use the same
             opt._driver.handoff(RoundKind.ESTIMATE, p.mb_in_update, m / (p.mb_in_update * opt.world_size))
             p.estimate_in_update = True
 
+    def estimate_at(self, m: int) -> int:
+        """The micro-batches of an update before its estimate's hand-off (the first "half")."""
+        return self.opt.estimate_microbatches or m // 2
+
     def zero_grad(self) -> None:
         """Discard the update's micro-batches so far (refused once its estimate is handed off)."""
         p = self.opt._progress
         if p.estimate_in_update:
+            h = self.estimate_at(p.microbatches_per_update)
             raise RuntimeError(
                 "AccoOptimizer.zero_grad() in the middle of an update whose estimate round (its first "
-                f"{p.microbatches_per_update // 2} micro-batches) is already handed off: those gradients cannot "
-                "be discarded. Call zero_grad() after step() (or before the update's first backward())"
+                f"{h} micro-batches) is already handed off: those gradients cannot be discarded. "
+                "Call zero_grad() after step() (or before the update's first backward())"
             )
         self.opt._flat.zero_grads(update_loop=True)
         p.mb_in_update = 0
@@ -76,7 +82,7 @@ class UpdateLoop:
                 "type, load_state_dict(assign=True), ...): build the optimizer after moving the model"
             )
         opt._flat.check_untouched(opt._clip_hint)
-        synchronous = opt.mode == "sync"
+        synchronous = opt.mode == "sync" or p.commits_handed_off < opt.synchronous_updates
         if opt.mode == "acco" and p.microbatches_per_update is None:
             self._learn_microbatches(m)
             synchronous = True
@@ -107,6 +113,8 @@ class UpdateLoop:
             )
         if m < 2:
             raise ValueError(V.ACCO_NEEDS_TWO.format(m=m))
+        if opt.estimate_microbatches is not None:
+            V.check_estimate_microbatches(opt.estimate_microbatches, m)
         opt._progress.microbatches_per_update = m
         log.info("acco: %d micro-batches per update (learned from the first update, which ran synchronously)", m)
 
