@@ -114,3 +114,42 @@ def test_estimate_round_equals_the_oracles_opt_star(name, cls, kw):
     assert torch.equal(master.detach(), before_master), "theta must not move"
     for k, v in before_state.items():
         assert torch.equal(opt.state[master][k], v) if torch.is_tensor(v) else opt.state[master][k] == v, k
+
+
+def estimate_round_ops(n_tensors: int) -> int:
+    """Ops the simulated device's side stream runs for one estimate round (AdamW, one process) of a model
+    of ``n_tensors`` parameter tensors of 64 elements each."""
+    import acco.device_api
+    from fake_cuda import FakeCuda
+
+    from acco import AccoOptimizer
+
+    fake = FakeCuda()
+    acco.device_api.stream_api = lambda device: fake
+    try:
+        with fake:
+            params = [torch.nn.Parameter(torch.randn(64)) for _ in range(n_tensors)]
+            opt = AccoOptimizer(params, torch.optim.AdamW, microbatches_per_update=2, lr=1e-3)
+
+            def half():
+                sum((p * p).sum() for p in params).backward()
+
+            for _ in range(2):  # the optimizer's state exists after the first commit
+                half(), half(), opt.step(), opt.zero_grad()
+            side = fake.side_streams[0]
+            before = side.issued
+            half()  # the first half: its end-of-backward hands off the estimate round
+            ops = side.issued - before
+            half(), opt.step()
+            opt.finish()
+    finally:
+        acco.device_api.stream_api = acco.device_api.__dict__["_real_stream_api"]
+    return ops
+
+
+def test_estimate_round_ops_do_not_grow_with_the_number_of_tensors():
+    """The estimate's arithmetic runs as foreach ops over batches of pieces: a model of 400 tensors issues
+    about as many ops per estimate round as one of 20 (both fit in one batch), not 20 times as many."""
+    small, large = estimate_round_ops(20), estimate_round_ops(400)
+    print(f"side-stream ops per estimate round: 20 tensors {small}, 400 tensors {large}")
+    assert large <= small + 10, (small, large)

@@ -18,7 +18,7 @@ host synchronisation (step counters on the device stay there).
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
@@ -56,74 +56,116 @@ def estimate_into(
     each with its ``.grad``), in ``optimizer.param_groups`` order, which is
     master order; ``master`` outside them (padding) is copied as is. ``out``
     may be the gradients' own memory (each ``.grad`` at its piece's offset):
-    every chunk's gradient is read before the chunk is written. Call only if
+    every batch's gradients are read before the batch is written. Call only if
     :func:`supports`.
+
+    The arithmetic runs as ``torch._foreach_*`` ops over batches of at most
+    :data:`CHUNK` elements (a batch holds many small pieces, a large piece
+    spans several batches), so the ops issued per round grow with the number
+    of batches, not of tensors.
     """
     base = master.data_ptr()
     size = master.element_size()
     adam = type(optimizer) in (torch.optim.Adam, torch.optim.AdamW)
+    keys = ("exp_avg", "exp_avg_sq") if adam else ("momentum_buffer",)
+    gaps_out: List[torch.Tensor] = []
+    gaps_src: List[torch.Tensor] = []
     covered = 0  # pieces are in master order: what lies between them (padding) is copied as is
     for group in optimizer.param_groups:
+        # A group's pieces share its hyper-parameters, and they step together (each has a .grad, a view of the
+        # gradient slice): one step count for all, taken from the first piece with state.
+        with_state: List[List[torch.Tensor]] = []
+        without_state: List[List[torch.Tensor]] = []
+        step = None
         for p in group["params"]:
             if p.numel() == 0:  # a parameter outside this rank's slice (an empty view has no address)
                 continue
             start = (p.data_ptr() - base) // size
             if start > covered:
-                out[covered:start].copy_(master[covered:start])
+                gaps_out.append(out[covered:start])
+                gaps_src.append(master[covered:start])
             covered = max(covered, start + p.numel())
-            target = out[start : start + p.numel()].view_as(p)
             state = optimizer.state.get(p, {})
-            if adam:
-                _adam(target, p, p.grad, state, group)
-            else:
-                _sgd(target, p, p.grad, state, group)
+            moments = [state[k].reshape(-1) for k in keys if state.get(k) is not None]
+            if step is None and state.get("step") is not None:
+                step = state["step"]
+            row = [out[start : start + p.numel()], p.reshape(-1), p.grad.reshape(-1), *moments]
+            (with_state if len(moments) == len(keys) else without_state).append(row)
+        for rows, stateful in ((with_state, True), (without_state, False)):
+            for batch in _batches(rows):
+                columns = [list(c) for c in zip(*batch)]
+                if adam:
+                    _adam(*columns[:3], columns[3:] if stateful else None, step if stateful else None, group)
+                else:
+                    _sgd(*columns[:3], columns[3] if stateful else None, group)
     if covered < master.numel():
-        out[covered:].copy_(master[covered:])
+        gaps_out.append(out[covered:])
+        gaps_src.append(master[covered:])
+    if gaps_out:
+        torch._foreach_copy_(gaps_out, gaps_src)
 
 
-def _chunks(*tensors: torch.Tensor):
-    flat = [t.reshape(-1) for t in tensors]
-    n = flat[0].numel()
-    for lo in range(0, n, CHUNK):
-        yield [t[lo : lo + CHUNK] for t in flat]
+def _batches(rows: List[List[torch.Tensor]]):
+    """Rows of flat tensors (one per piece, all of one length) cut into segments of at most CHUNK elements and
+    gathered into batches of at most CHUNK elements, in order."""
+    batch: List[List[torch.Tensor]] = []
+    filled = 0
+    for row in rows:
+        n = row[0].numel()
+        for lo in range(0, n, CHUNK):
+            hi = min(n, lo + CHUNK)
+            if batch and filled + hi - lo > CHUNK:
+                yield batch
+                batch, filled = [], 0
+            batch.append([t[lo:hi] for t in row])
+            filled += hi - lo
+    if batch:
+        yield batch
 
 
-def _adam(out: torch.Tensor, param: torch.Tensor, grad: torch.Tensor, state: Dict[str, Any], g: Dict[str, Any]) -> None:
-    """torch.optim.Adam(W)'s single-tensor step, into ``out``."""
+def _adam(outs: List[torch.Tensor], params: List[torch.Tensor], grads: List[torch.Tensor],
+          moments: Optional[List[List[torch.Tensor]]], step_t: Optional[torch.Tensor], g: Dict[str, Any]) -> None:
+    """torch.optim.Adam(W)'s step (the single-tensor arithmetic), into ``outs``; ``moments``: [exp_avg's,
+    exp_avg_sq's], or None before the first step."""
     beta1, beta2 = g["betas"]
     lr, eps, wd = g["lr"], g["eps"], g["weight_decay"]
     decoupled = g.get("decoupled_weight_decay", False)
-    step_t: Optional[torch.Tensor] = state.get("step")
-    exp_avg, exp_avg_sq = state.get("exp_avg"), state.get("exp_avg_sq")
     if step_t is not None and (g.get("capturable") or g.get("fused")):  # the counter is on the device: stay there
         step = step_t.to(torch.float32) + 1
     else:  # a host-side counter (torch keeps it on the CPU), or none yet
         step = (float(step_t) if step_t is not None else 0.0) + 1.0
     bc2_sqrt = (1 - beta2**step) ** 0.5  # a number, or a device scalar: the same arithmetic either way
     step_size = lr / (1 - beta1**step)
-    for o, p, gr, *moments in _chunks(out, param, grad, *(t for t in (exp_avg, exp_avg_sq) if t is not None)):
-        m, v = moments if moments else (torch.zeros_like(p), torch.zeros_like(p))
-        theta = p.clone()
-        if wd != 0:
-            if decoupled:
-                theta.mul_(1 - lr * wd)
-            else:
-                gr = gr.add(p, alpha=wd)
-        m = m.lerp(gr, 1 - beta1)
-        v = v.mul(beta2).addcmul_(gr, gr, value=1 - beta2)
-        denom = (v.sqrt() / bc2_sqrt).add_(eps)
-        o.copy_(theta.sub_(m.div_(denom).mul_(step_size)))
+    if wd != 0 and not decoupled:
+        grads = torch._foreach_add(grads, params, alpha=wd)
+    if moments is None:  # zeros, as the state torch would create (0 * g keeps a NaN gradient's NaN, like torch)
+        zeros = torch._foreach_mul(grads, 0.0)
+        moments = [zeros, zeros]
+    m = torch._foreach_lerp(moments[0], grads, 1 - beta1)
+    v = torch._foreach_mul(moments[1], beta2)
+    torch._foreach_addcmul_(v, grads, grads, value=1 - beta2)
+    denom = torch._foreach_sqrt(v)
+    torch._foreach_div_(denom, bc2_sqrt)
+    torch._foreach_add_(denom, eps)
+    torch._foreach_div_(m, denom)
+    torch._foreach_mul_(m, step_size)
+    theta = torch._foreach_mul(params, 1 - lr * wd) if wd != 0 and decoupled else params
+    torch._foreach_copy_(outs, torch._foreach_sub(theta, m))  # the gradients were all read above
 
 
-def _sgd(out: torch.Tensor, param: torch.Tensor, grad: torch.Tensor, state: Dict[str, Any], g: Dict[str, Any]) -> None:
-    """torch.optim.SGD's single-tensor step, into ``out``."""
+def _sgd(outs: List[torch.Tensor], params: List[torch.Tensor], grads: List[torch.Tensor],
+         bufs: Optional[List[torch.Tensor]], g: Dict[str, Any]) -> None:
+    """torch.optim.SGD's step (the single-tensor arithmetic), into ``outs``; ``bufs``: the momentum buffers,
+    or None before the first step."""
     lr, wd, mu = g["lr"], g["weight_decay"], g["momentum"]
     dampening, nesterov = g["dampening"], g["nesterov"]
-    buf = state.get("momentum_buffer")
-    for o, p, gr, *rest in _chunks(out, param, grad, *([buf] if buf is not None else [])):
-        if wd != 0:
-            gr = gr.add(p, alpha=wd)
-        if mu != 0:
-            b = gr.clone() if not rest else rest[0].mul(mu).add_(gr, alpha=1 - dampening)
-            gr = gr.add(b, alpha=mu) if nesterov else b
-        o.copy_(p.add(gr, alpha=-lr))
+    if wd != 0:
+        grads = torch._foreach_add(grads, params, alpha=wd)
+    if mu != 0:
+        if bufs is None:
+            b = grads
+        else:
+            b = torch._foreach_mul(bufs, mu)
+            torch._foreach_add_(b, grads, alpha=1 - dampening)
+        grads = torch._foreach_add(grads, b, alpha=mu) if nesterov else b
+    torch._foreach_copy_(outs, torch._foreach_add(params, grads, alpha=-lr))  # the gradients were all read above
