@@ -191,6 +191,7 @@ class FakeCuda(TorchDispatchMode):
         self._late: Dict[tuple, int] = {}
         self.pageable: set = set()  # storages of host memory made from Python data (torch.tensor, a Python scalar)
         self.collectives: List[tuple] = []  # (op name, process group) of every collective issued
+        self.side_peak_bytes = 0  # the most memory side streams' ops had allocated and still alive at once
         self.model_device = model_device
         self._current_device = current_device
         self._defaults = {d: FakeStream(self, d, f"cuda:{d}/default", eager=True) for d in range(devices)}
@@ -331,6 +332,15 @@ class FakeCuda(TorchDispatchMode):
         self.side_touched.pop(k, None)
         self.recorded.pop(k, None)
 
+    def side_live_bytes(self) -> int:
+        """Bytes of the tensors allocated by side-stream ops that are still alive."""
+        live = 0
+        for k, ref in self.owner_ref.items():
+            t = ref()
+            if t is not None and self.owner.get(k, "").find("/side") >= 0:
+                live += t.untyped_storage().nbytes()
+        return live
+
     def unrecorded_side_storages(self) -> List[str]:
         """Storages a side stream used, allocated by another stream, never record_stream-ed on it."""
         return self.unrecorded + [p for p in map(self._unrecorded, list(self.side_touched)) if p is not None]
@@ -462,6 +472,8 @@ class FakeCuda(TorchDispatchMode):
                 self.owner[k] = stream.name
                 self.owner_ref[k] = weakref.ref(t)
                 self.shapes[k] = (tuple(t.shape), t.dtype)
+        if outputs and not stream.eager:
+            self.side_peak_bytes = max(self.side_peak_bytes, self.side_live_bytes())
 
     # ------------------------------------------------------------ the dispatch mode
 

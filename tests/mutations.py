@@ -91,6 +91,12 @@ cases = [
  ("M36 estimate handed off during the synchronous updates", "src/acco/loops.py",
   "\n                and p.commits_handed_off >= opt.synchronous_updates):", "):",
   "tests/test_update_equivalence.py -k acco/m2-sync2"),
+ ("M37 fused AdamW undone by a snapshot", "src/acco/rounds.py",
+  "    in_kernel = kind is RoundKind.COMMIT and ctx.device_checks and skips_in_kernel(optimizer)",
+  "    in_kernel = False", "tests/test_stream_protocol.py -k fused_adamw_skips"),
+ ("M38 found_inf not given to the fused kernel", "src/acco/rounds.py",
+  "                optimizer.found_inf = undo.to(torch.float32)  # where set, the fused kernel takes no step at all",
+  "                pass", "tests/test_stream_protocol.py -k fused_adamw_skips"),
 ]
 only = sys.argv[1:]
 for name, path, old, new, tests in cases:

@@ -345,3 +345,48 @@ def test_finish_waits_on_the_host_for_the_last_round():
     finally:
         acco.device_api.stream_api = acco.device_api.__dict__["_real_stream_api"]
     assert fake.races == []
+
+
+def _fused_skip_run(path: str, in_kernel: bool = True):
+    """One process, fused AdamW in mode acco, an inf loss in update 2 (skipped); returns the final weights,
+    the skip count and memory_report()."""
+    import acco.rounds
+
+    fake = FakeCuda() if path == "stream" else None
+    if fake is not None:
+        acco.device_api.stream_api = lambda device: fake
+    real = acco.rounds.skips_in_kernel
+    if not in_kernel:
+        acco.rounds.skips_in_kernel = lambda optimizer: False  # the snapshot path, for comparison
+    try:
+        with fake if fake is not None else contextlib.nullcontext():
+            model = make_model()
+            opt = AccoOptimizer(model.parameters(), torch.optim.AdamW, microbatches_per_update=2, lr=1e-2,
+                                fused=True)
+            for t in range(5):
+                for j in range(2):
+                    loss = loss_fn(model, 0, 2 * t + j) / 2
+                    (loss * float("inf") if (t, j) == (2, 1) else loss).backward()
+                opt.step()
+                opt.zero_grad()
+            report = opt.memory_report()
+            opt.finish()
+            final = flat(model)
+    finally:
+        acco.device_api.stream_api = acco.device_api.__dict__["_real_stream_api"]
+        acco.rounds.skips_in_kernel = real
+    return dict(final=final, skipped=opt.num_skipped_updates, report=report,
+                races=fake.races[:3] if fake is not None else [])
+
+
+def test_fused_adamw_skips_in_its_kernel_without_a_snapshot():
+    """Fused AdamW on the CUDA path: a non-finite commit is skipped by the fused kernel itself (found_inf),
+    giving the CPU path's run, and no snapshot is allocated (the snapshot path holds 12 Phi/N bytes)."""
+    stream, cpu, snap = _fused_skip_run("stream"), _fused_skip_run("cpu"), _fused_skip_run("stream", in_kernel=False)
+    print(f"memory_report()['estimate_scratch']: {snap['report']['estimate_scratch']} bytes with the snapshot, "
+          f"{stream['report']['estimate_scratch']} skipping in the kernel")
+    assert stream["skipped"] == cpu["skipped"] == snap["skipped"] == 1
+    assert rel_err(stream["final"], cpu["final"]) < 1e-12 and rel_err(snap["final"], cpu["final"]) < 1e-12
+    assert stream["report"]["estimate_scratch"] == 0
+    assert snap["report"]["estimate_scratch"] >= 3 * stream["report"]["master"]  # master, exp_avg, exp_avg_sq, steps
+    assert stream["races"] == [] and snap["races"] == []

@@ -216,7 +216,8 @@ class FlatBuffers:
 
     # ------------------------------------------------------------ accounting
 
-    def memory_report(self, optimizer_state: Sequence[torch.Tensor], scratch: Sequence[torch.Tensor]) -> Dict[str, int]:
+    def memory_report(self, optimizer_state: Sequence[torch.Tensor], scratch: Sequence[torch.Tensor],
+                      temporaries: int = 0) -> Dict[str, int]:
         b = self.shard
         report = {
             "params": nbytes(self.params),
@@ -229,6 +230,8 @@ class FlatBuffers:
                               else [b.staging, b.grad_staging]),
             "optimizer_state": nbytes(optimizer_state),
             "estimate_scratch": nbytes(scratch),
+            "round_temporaries": temporaries,
         }
-        report["library_total"] = sum(v for k, v in report.items() if k != "params")
+        # the persistent buffers; round_temporaries come and go within a round
+        report["library_total"] = sum(v for k, v in report.items() if k not in ("params", "round_temporaries"))
         return report

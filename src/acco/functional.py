@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
-__all__ = ["CHUNK", "estimate_into", "supports"]
+__all__ = ["CHUNK", "estimate_into", "supports", "temporaries_bound"]
 
 CHUNK = 1 << 20  # elements per piece of work: the temporaries are a few of these
 
@@ -41,6 +41,14 @@ def supports(optimizer: torch.optim.Optimizer) -> bool:
         elif kind is not torch.optim.SGD:
             return False
     return True
+
+
+def temporaries_bound(optimizer: torch.optim.Optimizer, master: torch.Tensor) -> int:
+    """Bytes :func:`estimate_into` allocates at most at once (on CUDA: on the side stream, until it has run):
+    a batch's lists, at most :data:`CHUNK` elements of the master's dtype each; Adam: the weight-decayed
+    gradient, zeros before the first step, m, v, the denominator, decayed weights and the result; SGD four."""
+    lists = 7 if type(optimizer) in (torch.optim.Adam, torch.optim.AdamW) else 4
+    return lists * min(CHUNK, master.numel()) * master.element_size()
 
 
 @torch.no_grad()

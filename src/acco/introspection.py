@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from typing import Any, Dict, List, Optional
 
+from . import functional
 from .stats import summarize
 
 __all__ = ["Introspection"]
@@ -115,9 +116,16 @@ class Introspection:
         backward writes when it is not the accumulation buffer itself: 0 in the
         default loop with equal dtypes), ``accum`` and ``comm`` are full-size;
         ``master``, ``master_grad``, ``staging``, ``optimizer_state`` and
-        ``estimate_scratch`` are this rank's 1/N slice. Local: no collective.
+        ``estimate_scratch`` are this rank's 1/N slice. ``round_temporaries``:
+        the most the library's estimate allocates at once during a round (on
+        CUDA on the side stream, held until the stream has run it): a bound, 0
+        without a functional estimate; the wrapped optimizer's own step adds
+        its temporaries (none for fused AdamW). Local: no collective.
         """
         self._driver.collect()  # the round fills the state and the scratch: read them after it
         state = [v for st in self.local_optimizer.state.values() for v in st.values()]
         snapshot = self._driver.ctx.snapshot
-        return self._flat.memory_report(state, [] if snapshot is None else snapshot.tensors())
+        optimizer, master = self.local_optimizer, self._flat.shard.master
+        temporaries = (functional.temporaries_bound(optimizer, master)
+                       if self.mode == "acco" and functional.supports(optimizer) else 0)
+        return self._flat.memory_report(state, [] if snapshot is None else snapshot.tensors(), temporaries)

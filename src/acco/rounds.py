@@ -42,7 +42,7 @@ import torch.distributed as dist
 
 from . import functional
 from .collectives import all_gather_flat, all_reduce_sum, reduce_scatter_flat
-from .snapshot import OptimizerSnapshot
+from .snapshot import OptimizerSnapshot, skips_in_kernel
 
 __all__ = [
     "HyperParameterMismatchError",
@@ -249,6 +249,7 @@ def run_round(ctx: RoundContext, spec: RoundSpec) -> RoundResult:
     for group_state, hyper in zip(optimizer.param_groups, spec.hyperparams):
         group_state.update(hyper)
     functional_estimate = kind is RoundKind.ESTIMATE and functional.supports(optimizer)
+    in_kernel = kind is RoundKind.COMMIT and ctx.device_checks and skips_in_kernel(optimizer)
 
     report = None
     undo: Optional[torch.Tensor] = None  # device flag: as if no step (theta, the state and the estimate)
@@ -264,7 +265,8 @@ def run_round(ctx: RoundContext, spec: RoundSpec) -> RoundResult:
         # Every flag undoes the step on the device, under both policies: a non-finite gradient, and ranks that
         # handed off different rounds or hyper-parameters (their shards must not combine into weights). The
         # error itself is raised from the report, on every rank at the same hand-off (driver.read_reports).
-        if functional_estimate or (snapshot is not None and snapshot.restorable_on_device(optimizer, params, b.master)):
+        if (functional_estimate or in_kernel
+                or (snapshot is not None and snapshot.restorable_on_device(optimizer, params, b.master))):
             undo = flags.any()
         else:  # the first step (it creates state), or a step counter on the CPU: the host decides
             _check_pairs_on_host(kind, pairs)  # a host sync here anyway: raise as the CPU path does
@@ -288,14 +290,20 @@ def run_round(ctx: RoundContext, spec: RoundSpec) -> RoundResult:
             torch.where(undo, b.master.to(source.dtype), source, out=source)
     else:
         snapshotted = kind is RoundKind.ESTIMATE and not skipped
-        if snapshotted or undo is not None:
+        restore = undo is not None and not in_kernel  # a fused kernel skips by itself: no snapshot
+        if snapshotted or restore:
             assert snapshot is not None
             snapshot.save(optimizer, params, b.master)
         if not skipped:
-            optimizer.step()
+            if undo is not None and in_kernel:
+                optimizer.found_inf = undo.to(torch.float32)  # where set, the fused kernel takes no step at all
+            try:
+                optimizer.step()
+            finally:
+                optimizer.__dict__.pop("found_inf", None)
             if snapshot is not None and not snapshotted:
                 snapshot.stepped = True  # the optimizer's state exists now, for every piece that keeps one
-        if undo is not None:
+        if restore:
             snapshot.restore_where(undo, optimizer, params, b.master)  # a flag was raised: as if no step
         source = b.master if b.staging is None else b.staging.copy_(b.master)
     all_gather_flat(b.weights, source, group, b.collectives)  # every rank's new slice -> full weights

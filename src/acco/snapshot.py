@@ -18,6 +18,14 @@ import torch
 __all__ = ["OptimizerSnapshot"]
 
 
+def skips_in_kernel(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether the wrapped optimizer's own kernel can skip a whole step on the device: fused Adam and AdamW
+    read ``optimizer.found_inf`` (as ``torch.amp.GradScaler`` sets it) and, where it is non-zero, leave the
+    parameters, the state and the step count as they were. Such a step needs no snapshot to be undone."""
+    return type(optimizer) in (torch.optim.Adam, torch.optim.AdamW) and all(
+        g.get("fused") and not g.get("differentiable") for g in optimizer.param_groups)
+
+
 class OptimizerSnapshot:
     """Scratch copy of the master slice and the optimizer state, for ``Opt*``.
 
