@@ -36,7 +36,8 @@ def parse_args(argv=None, **defaults):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--rates", default="400,200,100,67,50", help="Mbit/s, comma-separated")
     p.add_argument("--methods", default=DEFAULT_METHODS,
-                   help="worker.py methods; 'acco:ring0' runs acco with ACCO_RING=0 (gloo's own collectives)")
+                   help="worker.py methods; 'acco:ring0' runs acco with ACCO_RING=0 (gloo's own collectives), "
+                        "'acco:reduce-bf16' / 'acco:reduce-fp32' with that reduce_dtype")
     p.add_argument("--repeats", type=int, default=3, help="runs of every method at every rate, interleaved")
     p.add_argument("--loop", choices=["awc", "update"], default="awc", help="worker.py --loop (library methods)")
     p.add_argument("--dtype", choices=["fp32", "bf16", "amp"], default="fp32", help="worker.py --dtype")
@@ -55,11 +56,12 @@ def parse_args(argv=None, **defaults):
     return p.parse_args(argv)
 
 
-def worker_args(args, method: str):
+def worker_args(args, method: str, variant: str = ""):
     base = SMOKE if args.smoke else ["--micro-batch", str(args.micro_batch), "--updates", str(args.updates),
                                      "--warmup", str(args.warmup)]
+    reduce = ["--reduce-dtype", variant.split("-", 1)[1]] if variant.startswith("reduce-") else []
     return ["--method", method, *base, "--slow-rank", str(args.slow_rank), "--slow-factor", str(args.slow_factor),
-            "--loop", args.loop, "--dtype", args.dtype]
+            "--loop", args.loop, "--dtype", args.dtype, *reduce]
 
 
 def run_point(args, rate, repeat: int) -> list:
@@ -69,7 +71,7 @@ def run_point(args, rate, repeat: int) -> list:
         method, _, variant = spec.partition(":")
         env = {"ACCO_RING": "0"} if variant == "ring0" else {}
         t0 = time.time()
-        rec = _launch.run_worker(worker_args(args, method), args.ranks, args.loopback, env, args.timeout)
+        rec = _launch.run_worker(worker_args(args, method, variant), args.ranks, args.loopback, env, args.timeout)
         rec.update(tag=args.tag, rate_mbit=rate, label=spec, repeat=repeat, wall_s=time.time() - t0)
         records.append(rec)
         s = rec.get("summary") or {}

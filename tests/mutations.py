@@ -97,6 +97,9 @@ cases = [
  ("M38 found_inf not given to the fused kernel", "src/acco/rounds.py",
   "                optimizer.found_inf = undo.to(torch.float32)  # where set, the fused kernel takes no step at all",
   "                pass", "tests/test_stream_protocol.py -k fused_adamw_skips"),
+ ("M39 reduce_dtype ignored (gradients travel in the accumulation dtype)", "src/acco/buffers.py",
+  "        self.comm = torch.zeros(n, dtype=rd, device=device)", "        self.comm = torch.zeros(n, dtype=ad, device=device)",
+  "tests/test_gpu_defects.py -k reduce_dtype"),
 ]
 only = sys.argv[1:]
 for name, path, old, new, tests in cases:

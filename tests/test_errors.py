@@ -62,6 +62,8 @@ CASES = [
     ("estimate from every micro-batch", lambda: (make_model().parameters(),), {"microbatches_per_update": 4, "estimate_microbatches": 4}, ValueError, "1 <= estimate_microbatches < 4"),
     ("estimate_microbatches 0", lambda: (make_model().parameters(),), {"estimate_microbatches": 0}, ValueError, "estimate_microbatches must be"),
     ("estimate_microbatches in mode dpu", lambda: (make_model().parameters(),), {"mode": "dpu", "estimate_microbatches": 1}, ValueError, "mode='acco' only"),
+    ("reduce_dtype narrower than the compute dtype", lambda: (make_model().parameters(),), {"reduce_dtype": torch.bfloat16}, TypeError, "at least as wide as the compute dtype"),
+    ("reduce_dtype float16", lambda: (make_model().parameters(),), {"reduce_dtype": torch.float16}, TypeError, "reduce_dtype must be"),
     ("synchronous_updates negative", lambda: (make_model().parameters(),), {"synchronous_updates": -1}, ValueError, "synchronous_updates must be"),
     ("synchronous_updates while accumulating", lambda: (make_model().parameters(),), {"accumulate_while_communicating": True, "synchronous_updates": 5}, ValueError, "one step\\(\\) per update"),
     ("Muon (not element-wise)", lambda: (make_model().parameters(), torch.optim.Muon), {}, ValueError, "Muon"),

@@ -66,7 +66,7 @@ def test_ring_is_refused_on_nccl(monkeypatch):
     assert collectives.ring_algorithm(object()) == "native"
 
 
-def _bf16_update(accumulation_dtype, micro_batches=32):
+def _bf16_update(accumulation_dtype, micro_batches=32, reduce_dtype=None, report=None):
     """One update of mode sync, SGD(lr=1) over ``micro_batches`` bf16 backward passes: the fp32 master moves
     by exactly the averaged gradient, which is compared with the fp64 sum of the same bf16 gradients."""
     torch.manual_seed(0)
@@ -83,8 +83,10 @@ def _bf16_update(accumulation_dtype, micro_batches=32):
         for r, p in zip(reference, model.parameters()):
             r += p.grad.double()
     model.zero_grad(set_to_none=True)
-    opt = AccoOptimizer(model.parameters(), torch.optim.SGD, mode="sync", lr=1.0,
+    opt = AccoOptimizer(model.parameters(), torch.optim.SGD, mode="sync", lr=1.0, reduce_dtype=reduce_dtype,
                         accumulation_dtype=accumulation_dtype, microbatches_per_update=micro_batches)
+    if report is not None:
+        report.update(opt.memory_report())
     before = opt.state_dict()["master"].double().clone()
     for x, y in data:
         loss(model, x, y).backward()
@@ -103,6 +105,21 @@ def test_bf16_gradients_are_accumulated_in_fp32():
     print(f"relative error of the summed gradient: fp32 accumulation {fp32:.2e}, bf16 accumulation {bf16:.2e}")
     assert fp32 < 1e-5  # summed over micro-batches and ranks in fp32: only fp32 rounding is left
     assert bf16 > 100 * fp32
+
+
+def test_reduce_dtype_casts_the_fp32_sum_once():
+    """reduce_dtype=bf16 (the paper's bytes): the micro-batches are still summed in fp32, and the sum is cast to
+    bf16 once for the reduce-scatter: one bf16 rounding (at most 2^-9 relative per element), far less than
+    summing in bf16, and a round buffer of 2 bytes per element instead of 4."""
+    fp32_report, bf16_report = {}, {}
+    fp32 = _bf16_update(None, report=fp32_report)
+    reduced = _bf16_update(None, reduce_dtype=torch.bfloat16, report=bf16_report)
+    summed_in_bf16 = _bf16_update(torch.bfloat16)
+    print(f"relative error: fp32 reduce {fp32:.2e}, bf16 reduce {reduced:.2e}, bf16 accumulation {summed_in_bf16:.2e}")
+    assert fp32 < 1e-5
+    assert 1e-5 < reduced < 2 ** -9 and reduced < summed_in_bf16 / 3
+    assert bf16_report["comm"] * 2 == fp32_report["comm"]
+    assert bf16_report["accum"] == fp32_report["accum"]  # the sum over micro-batches stays fp32
 
 
 def test_fp32_accumulation_keeps_the_grad_contract():
@@ -291,3 +308,35 @@ def test_implementation_flags_are_not_checkpointed():
     loss_fn(model, 0, 1).backward()
     opt.step()
     opt.finish()
+
+
+def _reduce_dtype_worker(rank: int, world: int) -> dict:
+    out = {}
+    for name, rd in (("fp32", None), ("bf16", torch.bfloat16)):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
+        opt = AccoOptimizer(model.parameters(), torch.optim.AdamW, compute_dtype=torch.bfloat16, reduce_dtype=rd,
+                            microbatches_per_update=2, lr=1e-3)
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(4):
+            for _ in range(2):
+                x = torch.randn(8, 32, generator=g).bfloat16()
+                (model(x).float().pow(2).mean() / 2).backward()
+            opt.step()
+            opt.zero_grad()
+        opt.finish()
+        out[name] = torch.cat([p.detach().float().flatten() for p in model.parameters()])
+        out[name + "_comm"] = opt.memory_report()["comm"]
+    return out
+
+
+def test_reduce_dtype_bf16_across_ranks():
+    """Two gloo ranks (the ring reduce-scatter in bf16): the ranks agree, the run stays close to the fp32
+    reduction's (differences of bf16 rounding only) without being it, and the round buffer is halved."""
+    from _dist import run_ranks
+
+    r0, r1 = run_ranks(_reduce_dtype_worker, 2, timeout=120)
+    assert torch.equal(r0["bf16"], r1["bf16"]) and torch.equal(r0["fp32"], r1["fp32"])
+    diff = ((r0["bf16"] - r0["fp32"]).norm() / r0["fp32"].norm()).item()
+    assert 0 < diff < 1e-2, diff
+    assert r0["bf16_comm"] * 2 == r0["fp32_comm"]

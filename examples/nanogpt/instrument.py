@@ -1,10 +1,12 @@
 """Run a training script of this folder with the learning-rate study's instrumentation; the script is unchanged.
 
-    torchrun --nproc_per_node=2 examples/nanogpt/instrument.py [--acco-option=KEY=INT ...] [--estimate-gap] \\
+    torchrun --nproc_per_node=2 examples/nanogpt/instrument.py [--acco-option=KEY=VALUE ...] [--estimate-gap] \\
         examples/nanogpt/train_acco.py --out_dir=... [the script's --key=value settings]
 
-* ``--acco-option=KEY=INT``: an extra ``AccoOptimizer`` keyword argument, e.g.
-  ``synchronous_updates=20`` or ``estimate_microbatches=3`` (the study's remedies);
+* ``--acco-option=KEY=VALUE``: an extra ``AccoOptimizer`` keyword argument, an
+  int or a torch dtype, e.g. ``synchronous_updates=20``,
+  ``estimate_microbatches=3`` (the study's remedies) or
+  ``compute_dtype=bfloat16``, ``reduce_dtype=float32``;
 * ``--estimate-gap``: after every ``step()``, rank 0 logs ``|theta~ - theta|``
   (what the model holds, in mode acco the estimate, against the committed
   update) and ``|theta_{t+1} - theta_t|`` to ``OUT_DIR/estimate_gap.json``.
@@ -66,7 +68,7 @@ def main(argv: list) -> None:
             estimate_gap = True
         elif flag.startswith("--acco-option="):
             key, value = flag.split("=", 1)[1].split("=", 1)
-            options[key] = int(value)
+            options[key] = getattr(torch, value) if isinstance(getattr(torch, value, None), torch.dtype) else int(value)
         else:
             raise SystemExit(f"instrument.py: unknown flag {flag!r} (see the docstring)")
     if not argv:

@@ -254,6 +254,23 @@ def check_accumulation_dtype(accumulation_dtype: Optional[torch.dtype], compute_
     return accumulation_dtype
 
 
+def check_reduce_dtype(reduce_dtype: Optional[torch.dtype], accumulation_dtype: torch.dtype,
+                       compute_dtype: torch.dtype) -> torch.dtype:
+    """The dtype gradients travel and are summed over ranks in: given, or the accumulation dtype."""
+    if reduce_dtype is None:
+        return accumulation_dtype
+    if not (isinstance(reduce_dtype, torch.dtype) and reduce_dtype.is_floating_point) or reduce_dtype == torch.float16:
+        raise TypeError(f"reduce_dtype must be torch.float32, torch.bfloat16 or torch.float64, got {reduce_dtype}")
+    if not compute_dtype.itemsize <= reduce_dtype.itemsize <= accumulation_dtype.itemsize:
+        raise TypeError(
+            f"reduce_dtype={reduce_dtype} with compute dtype {compute_dtype} and accumulation dtype "
+            f"{accumulation_dtype}: it must be at least as wide as the compute dtype (the weights come back in the "
+            "same buffer) and at most as wide as the accumulation dtype. For the paper's bytes with a bf16 model, "
+            "pass reduce_dtype=torch.bfloat16"
+        )
+    return reduce_dtype
+
+
 def check_dtypes(param_dtype: torch.dtype, compute_dtype: Optional[torch.dtype]) -> None:
     if compute_dtype is not None and not (isinstance(compute_dtype, torch.dtype) and compute_dtype.is_floating_point):
         raise TypeError(f"compute_dtype must be a floating dtype such as torch.bfloat16, got {compute_dtype}")

@@ -44,6 +44,7 @@ class FlatBuffers:
         rank: int,
         compute_dtype: torch.dtype,
         accumulation_dtype: torch.dtype,
+        reduce_dtype: torch.dtype,
         separate_grads: bool,
         collectives: str,
     ) -> None:
@@ -53,7 +54,7 @@ class FlatBuffers:
         device = self.params[0].device
         param_dtype = self.params[0].dtype
         master_dtype = torch.float64 if param_dtype == torch.float64 else torch.float32
-        cd, ad, n, s = compute_dtype, accumulation_dtype, layout.padded_numel, layout.shard_size
+        cd, ad, rd, n, s = compute_dtype, accumulation_dtype, reduce_dtype, layout.padded_numel, layout.shard_size
 
         # The master slice, from the parameters before any cast to compute_dtype: each piece copied straight
         # from its parameter (no full-size temporary).
@@ -68,10 +69,10 @@ class FlatBuffers:
                     p.data = p.data.to(cd)  # once, at construction: addresses fixed from here on
 
         self.accum = torch.zeros(n, dtype=ad, device=device)
-        # Round in/out: gradients out (summed over ranks in accumulation_dtype), weights in (compute dtype, in
-        # the same memory: the reduce-scatter has read the gradients before the all-gather writes).
-        self.comm = torch.zeros(n, dtype=ad, device=device)
-        self.comm_weights = self.comm if ad == cd else self.comm.view(torch.uint8)[: n * cd.itemsize].view(cd)
+        # Round in/out: gradients out (cast to reduce_dtype at the hand-off, summed over ranks in it), weights in
+        # (compute dtype, in the same memory: the reduce-scatter has read the gradients before the all-gather writes).
+        self.comm = torch.zeros(n, dtype=rd, device=device)
+        self.comm_weights = self.comm if rd == cd else self.comm.view(torch.uint8)[: n * cd.itemsize].view(cd)
         self.comm_views = layout.views(self.comm_weights)
         # Where backward writes: straight into accum, unless it is of another dtype (then a buffer of its own,
         # folded into accum as each gradient arrives) or the loop accumulates while communicating (folded at
@@ -94,9 +95,9 @@ class FlatBuffers:
             staging=None if cd == master_dtype else torch.zeros(s, dtype=cd, device=device),
             collectives=collectives,
         )
-        if ad != master_dtype:  # gradients reduced in a narrower dtype than the master's: their own landing slice
+        if rd != master_dtype:  # gradients reduced in a narrower dtype than the master's: their own landing slice
             b = self.shard
-            b.grad_staging = b.staging if ad == cd else torch.zeros(s, dtype=ad, device=device)
+            b.grad_staging = b.staging if rd == cd else torch.zeros(s, dtype=rd, device=device)
 
     @property
     def master(self) -> torch.Tensor:

@@ -103,6 +103,12 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
             added into the sum as it arrives, and ``.grad`` is a compute-dtype
             buffer of its own that autograd sums into as usual (one more
             compute-dtype copy of the model; the update does not read it).
+        reduce_dtype: dtype the gradients travel in and are summed over ranks
+            in (FSDP2's ``reduce_dtype``): each rank's sum, kept in
+            ``accumulation_dtype``, is cast to it at the hand-off, and the
+            reduced slice is cast back to the fp32 master's dtype. ``None``:
+            the accumulation dtype. ``torch.bfloat16`` with a bf16 model is
+            the paper's bytes (half the fp32 traffic, a 2-byte round buffer).
         max_grad_norm: clip the global L2 norm of the averaged gradient to
             this, as ``clip_grad_norm_`` on DDP's all-reduced gradient would.
             (Clipping ``.grad`` yourself raises: it is the local gradient here.)
@@ -148,6 +154,7 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         max_microbatches: Optional[int] = None,
         compute_dtype: Optional[torch.dtype] = None,
         accumulation_dtype: Optional[torch.dtype] = None,
+        reduce_dtype: Optional[torch.dtype] = None,
         max_grad_norm: Optional[float] = None,
         nonfinite: str = "skip",
         timeout: Optional[datetime.timedelta] = None,
@@ -184,6 +191,7 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         device = self._params[0].device
         self.compute_dtype = compute_dtype or self._params[0].dtype
         self.accumulation_dtype = V.check_accumulation_dtype(accumulation_dtype, self.compute_dtype)
+        self.reduce_dtype = V.check_reduce_dtype(reduce_dtype, self.accumulation_dtype, self.compute_dtype)
         self._model_buffers = V.check_buffers(buffers, device)
         self._progress = Progress(torch.zeros((), dtype=torch.float64, device=device), microbatches_per_update)
         self.layout = FlatLayout.build([p.shape for p in self._params], self.world_size)
@@ -201,6 +209,7 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
             )
             connect(round_group, device)  # its communicator now, from this thread, not in the first backward
         self._flat = FlatBuffers(self._params, self.layout, self.rank, self.compute_dtype, self.accumulation_dtype,
+                                 self.reduce_dtype,
                                  separate_grads=self.accumulate_while_communicating,
                                  collectives=ring_algorithm(round_group))
         self._pieces, local_groups = self._flat.optimizer_groups(self.param_groups)
