@@ -64,6 +64,7 @@ CASES = [
     ("estimate_microbatches in mode dpu", lambda: (make_model().parameters(),), {"mode": "dpu", "estimate_microbatches": 1}, ValueError, "mode='acco' only"),
     ("reduce_dtype narrower than the compute dtype", lambda: (make_model().parameters(),), {"reduce_dtype": torch.bfloat16}, TypeError, "at least as wide as the compute dtype"),
     ("reduce_dtype float16", lambda: (make_model().parameters(),), {"reduce_dtype": torch.float16}, TypeError, "reduce_dtype must be"),
+    ("two dtypes with compute_dtype", lambda: ([nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(2, dtype=torch.float64))],), {"compute_dtype": torch.bfloat16}, TypeError, r"one dtype.*casts a model of one dtype.*model.to\(torch.float32\)"),
     ("synchronous_updates negative", lambda: (make_model().parameters(),), {"synchronous_updates": -1}, ValueError, "synchronous_updates must be"),
     ("synchronous_updates while accumulating", lambda: (make_model().parameters(),), {"accumulate_while_communicating": True, "synchronous_updates": 5}, ValueError, "one step\\(\\) per update"),
     ("Muon (not element-wise)", lambda: (make_model().parameters(), torch.optim.Muon), {}, ValueError, "Muon"),
@@ -128,7 +129,7 @@ def test_step_after_finish_raises():
 def test_world_size_without_process_group_raises(monkeypatch):
     """Check that WORLD_SIZE>1 without an initialised process group is an error, not a silent single-process run."""
     monkeypatch.setenv("WORLD_SIZE", "2")
-    with pytest.raises(RuntimeError, match="init_process_group"):
+    with pytest.raises(RuntimeError, match="init_process_group.*AccoTrainer"):
         AccoOptimizer(make_model().parameters(), lr=1e-2)
 
 

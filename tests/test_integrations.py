@@ -67,3 +67,35 @@ def test_accelerate_recipe(tmp_path):
     _torchrun("accelerate_script.py", dirs["acco"], "acco", "--save-at", "10")
     _torchrun("accelerate_script.py", dirs["resumed"], "acco", "--resume", dirs["acco"] / "ckpt")
     _check(_result(dirs["adamw"]), _result(dirs["acco"]), _result(dirs["resumed"]))
+
+
+def test_acco_trainer_names_gradient_accumulation_steps(tmp_path):
+    """AccoTrainer in mode acco with gradient_accumulation_steps=1 says which TrainingArguments field to set and
+    which acco_mode to choose instead, at construction."""
+    from transformers import TrainingArguments
+
+    from acco.integrations.hf import AccoTrainer
+
+    args = TrainingArguments(output_dir=str(tmp_path), gradient_accumulation_steps=1, report_to=[], use_cpu=True)
+    with pytest.raises(ValueError, match="gradient_accumulation_steps=1.*gradient_accumulation_steps=2.*acco_mode='sync'"):
+        AccoTrainer(model=torch.nn.Linear(2, 2), args=args)
+
+
+def test_hf_integration_reports_the_real_import_error(monkeypatch):
+    """transformers present but its Trainer failing to import (a broken dependency) is reported as that failure,
+    not as 'transformers is missing'."""
+    import importlib
+    import types
+
+    broken = types.ModuleType("transformers")
+
+    def getattr_(name):
+        raise ImportError("No module named 'safetensors'", name="safetensors")
+
+    broken.__getattr__ = getattr_
+    monkeypatch.setitem(sys.modules, "transformers", broken)
+    monkeypatch.delitem(sys.modules, "acco.integrations.hf", raising=False)
+    with pytest.raises(ImportError, match="importing transformers.Trainer failed.*safetensors") as info:
+        importlib.import_module("acco.integrations.hf")
+    assert "pip install" not in str(info.value)
+    monkeypatch.delitem(sys.modules, "acco.integrations.hf", raising=False)

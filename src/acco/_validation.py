@@ -184,7 +184,7 @@ def normalize_param_groups(params: Any) -> List[Dict[str, Any]]:
     return out
 
 
-def check_params(params: Iterable[torch.Tensor]) -> None:
+def check_params(params: Iterable[torch.Tensor], compute_dtype: Optional[torch.dtype] = None) -> None:
     params = list(params)
     seen: Dict[int, int] = {}
     for i, p in enumerate(params):
@@ -212,6 +212,12 @@ def check_params(params: Iterable[torch.Tensor]) -> None:
         if not p.is_floating_point():
             raise TypeError(f"parameter {i} has dtype {p.dtype}; only floating-point parameters can be trained (complex is not supported)")
     if len(dtypes) > 1:
+        if compute_dtype is not None:  # compute_dtype casts one dtype to another; it does not merge several
+            raise TypeError(
+                f"all trainable parameters must share one dtype, got {sorted(str(d) for d in dtypes)} (with "
+                f"compute_dtype={compute_dtype}, which casts a model of one dtype): cast the model to one dtype "
+                "first (model.to(torch.float32)), then build AccoOptimizer"
+            )
         raise TypeError(
             f"all trainable parameters must share one dtype, got {sorted(str(d) for d in dtypes)}: "
             "cast the model (model.to(dtype)) or pass compute_dtype=..."
@@ -301,6 +307,8 @@ def resolve_process_group(process_group: Optional[dist.ProcessGroup]) -> Optiona
     if world is not None and world.isdigit() and int(world) > 1:
         raise RuntimeError(
             f"WORLD_SIZE={world} but torch.distributed is not initialised: call "
-            "torch.distributed.init_process_group(...) before building AccoOptimizer"
+            "torch.distributed.init_process_group(...) before building AccoOptimizer (with a Hugging Face "
+            "Trainer, use acco.integrations.hf.AccoTrainer: it builds the optimizer once TrainingArguments has "
+            "initialised torch.distributed)"
         )
     return None

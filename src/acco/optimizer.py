@@ -173,7 +173,7 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         groups = V.normalize_param_groups(params)
         super().__init__(groups, dict(optimizer_kwargs))
         self._params: List[torch.Tensor] = [p for g in self.param_groups for p in g["params"]]
-        V.check_params(self._params)
+        V.check_params(self._params, compute_dtype)
         V.check_dtypes(self._params[0].dtype, compute_dtype)
 
         self.mode = mode

@@ -44,8 +44,11 @@ from ..optimizer import AccoOptimizer
 
 try:
     from transformers import Trainer
-except ImportError as exc:  # pragma: no cover - exercised only without transformers
-    raise ImportError("acco.integrations.hf needs transformers: pip install 'acco[hf]'") from exc
+except ImportError as exc:
+    if exc.name == "transformers":  # transformers itself is missing
+        raise ImportError("acco.integrations.hf needs transformers: pip install 'acco[hf]'") from exc
+    # transformers is there but its Trainer failed to import: say what failed, not that it is missing
+    raise ImportError(f"acco.integrations.hf: importing transformers.Trainer failed: {exc}") from exc
 
 __all__ = ["AccoTrainer", "CHECKPOINT_DIR"]
 
@@ -81,6 +84,15 @@ class AccoTrainer(Trainer):
         self.acco_mode = acco_mode
         self.acco_kwargs = dict(acco_kwargs or {})
         super().__init__(*args, **kwargs)
+        steps = self.args.gradient_accumulation_steps
+        if acco_mode == "acco" and steps < 2 and "microbatches_per_update" not in self.acco_kwargs:
+            raise ValueError(
+                f"AccoTrainer(acco_mode='acco') with TrainingArguments(gradient_accumulation_steps={steps}): ACCO "
+                "takes an estimate from the first half of each update's micro-batches, so it needs "
+                "gradient_accumulation_steps >= 2. Set gradient_accumulation_steps=2 and halve "
+                "per_device_train_batch_size (the same batch per update), or pass acco_mode='sync' (ZeRO-1) or "
+                "acco_mode='dpu'"
+            )
         if self.optimizer is not None and not isinstance(self.optimizer, AccoOptimizer):
             raise TypeError(
                 f"AccoTrainer builds its own AccoOptimizer, but optimizers=({type(self.optimizer).__name__}, ...) "
