@@ -65,6 +65,8 @@ CASES = [
     ("reduce_dtype narrower than the compute dtype", lambda: (make_model().parameters(),), {"reduce_dtype": torch.bfloat16}, TypeError, "at least as wide as the compute dtype"),
     ("reduce_dtype float16", lambda: (make_model().parameters(),), {"reduce_dtype": torch.float16}, TypeError, "reduce_dtype must be"),
     ("two dtypes with compute_dtype", lambda: ([nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(2, dtype=torch.float64))],), {"compute_dtype": torch.bfloat16}, TypeError, r"one dtype.*casts a model of one dtype.*model.to\(torch.float32\)"),
+    ("timeout zero", lambda: (make_model().parameters(),), {"timeout": __import__("datetime").timedelta(0)}, ValueError, "give up at once.*positive datetime.timedelta"),
+    ("timeout in seconds", lambda: (make_model().parameters(),), {"timeout": 30}, TypeError, "must be a datetime.timedelta"),
     ("synchronous_updates negative", lambda: (make_model().parameters(),), {"synchronous_updates": -1}, ValueError, "synchronous_updates must be"),
     ("synchronous_updates while accumulating", lambda: (make_model().parameters(),), {"accumulate_while_communicating": True, "synchronous_updates": 5}, ValueError, "one step\\(\\) per update"),
     ("Muon (not element-wise)", lambda: (make_model().parameters(), torch.optim.Muon), {}, ValueError, "Muon"),
@@ -295,3 +297,19 @@ def test_ranks_that_hand_off_different_rounds_fail_every_rank():
     """Check an update with an estimate on one rank and none on another (uneven shards) fails on every rank."""
     for msg in run_ranks(_uneven_update_worker, 2, timeout=120):
         assert "different rounds" in msg and "same number of micro-batches" in msg, msg
+
+
+def test_consolidated_state_of_another_model_is_refused():
+    """load_consolidated_state_dict of a plain AdamW whose tensors have other shapes (another model with as many
+    parameters per group) raises and names the shapes, before changing anything."""
+    ours = nn.Sequential(nn.Linear(4, 3), nn.Linear(3, 2))
+    other = nn.Sequential(nn.Linear(3, 4), nn.Linear(4, 2))
+    plain = torch.optim.AdamW(other.parameters(), lr=1e-2)
+    other(torch.randn(2, 3)).sum().backward()
+    plain.step()
+    opt = AccoOptimizer(ours.parameters(), microbatches_per_update=2, lr=1e-2)
+    master = opt._flat.master.clone()
+    with pytest.raises(ValueError, match=r"parameter 0 has shape \(4, 3\).*has shape \(3, 4\)"):
+        opt.load_consolidated_state_dict(plain.state_dict())
+    assert torch.equal(opt._flat.master, master) and not opt.local_optimizer.state
+    opt.finish()

@@ -99,3 +99,10 @@ def test_hf_integration_reports_the_real_import_error(monkeypatch):
         importlib.import_module("acco.integrations.hf")
     assert "pip install" not in str(info.value)
     monkeypatch.delitem(sys.modules, "acco.integrations.hf", raising=False)
+
+
+def test_import_acco_reaches_the_integrations():
+    """The README's accelerate snippet writes acco.integrations.accelerate.prepare after `import acco` alone."""
+    out = run_command([sys.executable, "-c", "import acco; print(acco.integrations.accelerate.prepare.__name__, "
+                       "acco.integrations.hf.AccoTrainer.__name__)"], timeout=120)
+    assert "prepare AccoTrainer" in out

@@ -25,3 +25,13 @@ __all__ = [
     "init_process_group",
 ]
 __version__ = "0.1.0"
+
+
+def __getattr__(name: str):
+    """``acco.integrations`` on first use, so that ``import acco`` alone reaches it (its modules import their
+    frameworks only when used)."""
+    if name == "integrations":
+        import importlib
+
+        return importlib.import_module(".integrations", __name__)
+    raise AttributeError(f"module 'acco' has no attribute {name!r}")

@@ -3,6 +3,7 @@ received and what to do."""
 
 from __future__ import annotations
 
+import datetime
 import inspect
 import os
 from typing import Any, Dict, Iterable, List, Optional
@@ -74,6 +75,18 @@ def check_handoffs(mode: str, per_update: Any, elastic: Any, min_microbatches: A
             "run the micro-batches you want per update (microbatches_per_update=...) and call step() once"
         )
     check_microbatches(min_microbatches, max_microbatches)
+
+
+def check_timeout(timeout: Any) -> None:
+    if timeout is None:
+        return
+    if not isinstance(timeout, datetime.timedelta):
+        raise TypeError(f"timeout must be a datetime.timedelta (how long a round waits for a peer), got {timeout!r}")
+    if timeout <= datetime.timedelta(0):
+        raise ValueError(
+            f"timeout={timeout!r}: a round's collectives would give up at once and blame a dead peer; pass a "
+            "positive datetime.timedelta (e.g. timedelta(minutes=10)) or None for the process group's default"
+        )
 
 
 def check_delay_options(mode: str, per_update: Any, elastic: bool, estimate_microbatches: Any,

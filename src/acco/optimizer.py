@@ -168,6 +168,7 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         V.check_mode(mode)
         V.check_handoffs(mode, microbatches_per_update, accumulate_while_communicating, min_microbatches, max_microbatches)
         V.check_clipping(max_grad_norm, nonfinite)
+        V.check_timeout(timeout)
         V.check_delay_options(mode, microbatches_per_update, accumulate_while_communicating, estimate_microbatches,
                               synchronous_updates)
         groups = V.normalize_param_groups(params)

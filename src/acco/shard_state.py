@@ -395,6 +395,16 @@ def load_consolidated_state_dict(opt: "AccoOptimizer", sd: Dict[str, Any]) -> No
             f"{[len(g['params']) for g in sd['param_groups']]} do not match this optimizer's "
             f"{[len(g['params']) for g in opt.param_groups]} (parameters per group)"
         )
+    for i, st in sorted((int(k), v) for k, v in sd["state"].items()):
+        if i >= len(opt._params):
+            raise ValueError(f"the state dict holds state for parameter {i}, but this optimizer has {len(opt._params)}")
+        for key, value in st.items():
+            if torch.is_tensor(value) and value.dim() >= 1 and tuple(value.shape) != tuple(opt._params[i].shape):
+                raise ValueError(
+                    f"the state dict's {key!r} of parameter {i} has shape {tuple(value.shape)}, but parameter {i} "
+                    f"of this optimizer has shape {tuple(opt._params[i].shape)}: the state dict is of another model "
+                    "(or its parameters in another order); nothing was loaded"
+                )
     opt._driver.collect()
     opt._progress.pending = None  # the master comes from the model's weights: those are now the committed ones
     opt._progress.holds_estimate = False
