@@ -88,6 +88,8 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=["fp32", "bf16", "amp"], default="fp32")
     p.add_argument("--reduce-dtype", choices=["default", "fp32", "bf16"], default="default",
                    help="the library's reduce_dtype (default: its accumulation dtype)")
+    p.add_argument("--estimate-dtype", choices=["default", "bf16"], default="default",
+                   help="the library's estimate_dtype (default: the estimate travels like the commit)")
     p.add_argument("--out", type=Path, default=None, help="rank 0 writes its JSON record here")
     args = p.parse_args(argv)
     if args.method == "acco-acc" and args.loop != "awc":
@@ -116,6 +118,8 @@ class Runner:
             mode = "acco" if m.startswith("acco") else m
             if args.dtype != "fp32":
                 kw["compute_dtype"] = torch.bfloat16
+            if args.estimate_dtype == "bf16":
+                kw["estimate_dtype"] = torch.bfloat16
             if args.reduce_dtype != "default":
                 kw["reduce_dtype"] = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.reduce_dtype]
             if args.loop == "update":  # the default loop: two backward(), one step(), as any torch optimizer
@@ -246,7 +250,7 @@ def main(argv=None) -> None:
         record["memory"] = runner.opt.memory_report()
         record["options"] = {k: str(getattr(runner.opt, k, None)) for k in (  # as the optimizer holds them
             "mode", "accumulate_while_communicating", "microbatches_per_update", "compute_dtype", "accumulation_dtype",
-            "reduce_dtype")}
+            "reduce_dtype", "estimate_dtype")}
     maxrss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024], dtype=torch.float64)
     rss = [torch.zeros_like(maxrss) for _ in range(world)]
     dist.all_gather(rss, maxrss)

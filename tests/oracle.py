@@ -100,6 +100,7 @@ def update_run(
     lr_at: Optional[Callable[[int], float]] = None,
     h: Optional[int] = None,
     synchronous_updates: int = 0,
+    estimate_dtype: Optional[torch.dtype] = None,
 ):
     """One ``step()`` per update of ``m`` micro-batches per rank (``algorithm.md``, "Hand-offs in the user's loop").
 
@@ -110,7 +111,10 @@ def update_run(
     synchronously. ``lr_at(t)``: the learning rate of update ``t`` (a scheduler
     stepped after each ``step()``). ``h``: micro-batches before the estimate
     (``estimate_microbatches``; default ``m // 2``). ``synchronous_updates``: the
-    first updates run as in mode sync (acco and dpu).
+    first updates run as in mode sync (acco and dpu). ``estimate_dtype``: each
+    rank's sum of its first ``h`` gradients is cast to it and the ranks' sums
+    are added in it, in rank order (a ring's order for 2 ranks), and the
+    estimate comes back cast to it.
 
     Returns ``(after_step, committed, final)``: the model after each ``step()``
     (the same on every rank), the committed weights after each ``step()``
@@ -139,10 +143,27 @@ def update_run(
         accum = [torch.zeros_like(x) for x in theta]
         synchronous = t < synchronous_updates or (learned and t == 0)
         if mode == "acco" and not synchronous:
-            accumulate(accum, h)
+            if estimate_dtype is None:
+                accumulate(accum, h)
+                first = accum
+            else:  # per rank, then summed over ranks in estimate_dtype
+                first = None
+                for r in range(n_ranks):
+                    own = [torch.zeros_like(x) for x in theta]
+                    for _ in range(h):
+                        for o, g in zip(own, grad_fn(r, nxt[r], model)):
+                            o += g
+                        nxt[r] += 1
+                    for a, o in zip(accum, own):
+                        a += o
+                    low = [o.to(estimate_dtype) for o in own]
+                    first = low if first is None else [f + x for f, x in zip(first, low)]
+                first = [f.to(theta[0].dtype) for f in first]
             if pending is not None:  # hand-off of the estimate: theta_t into the model
                 model, pending = [x.clone() for x in pending], None
-            estimate = _opt_star(opt, make_opt, theta, [a * (m / h) / n_ranks for a in accum])
+            estimate = _opt_star(opt, make_opt, theta, [a * (m / h) / n_ranks for a in first])
+            if estimate_dtype is not None:
+                estimate = [x.to(estimate_dtype).to(theta[0].dtype) for x in estimate]
             accumulate(accum, m - h)
             model = estimate  # step(): theta~_{t+1} into the model, the commit in flight
             _opt_step(opt, theta, [a / n_ranks for a in accum])

@@ -112,7 +112,8 @@ def test_memory_smoke(tmp_path):
     assert amp["memory"]["params"] == 4 * numel  # autocast: fp32 parameters
     assert acco["options"] == {"mode": "acco", "accumulate_while_communicating": "False",  # the default loop
                                "microbatches_per_update": "2", "compute_dtype": "torch.bfloat16",
-                               "accumulation_dtype": "torch.float32", "reduce_dtype": "torch.float32"}
+                               "accumulation_dtype": "torch.float32", "reduce_dtype": "torch.float32",
+                               "estimate_dtype": "None"}
     # one timed update: the estimate round carries its first micro-batch, the commit round both
     assert [(x["kind"], x["local_microbatches"]) for x in acco["rounds"]] == [("estimate", 1), ("commit", 2)]
     assert acco["microbatches"] == 4 and acco["tokens_per_s"] > 0

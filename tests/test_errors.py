@@ -67,6 +67,8 @@ CASES = [
     ("two dtypes with compute_dtype", lambda: ([nn.Parameter(torch.ones(2)), nn.Parameter(torch.ones(2, dtype=torch.float64))],), {"compute_dtype": torch.bfloat16}, TypeError, r"one dtype.*casts a model of one dtype.*model.to\(torch.float32\)"),
     ("timeout zero", lambda: (make_model().parameters(),), {"timeout": __import__("datetime").timedelta(0)}, ValueError, "give up at once.*positive datetime.timedelta"),
     ("timeout in seconds", lambda: (make_model().parameters(),), {"timeout": 30}, TypeError, "must be a datetime.timedelta"),
+    ("estimate_dtype in mode sync", lambda: (make_model().parameters(),), {"mode": "sync", "estimate_dtype": torch.bfloat16}, ValueError, "mode='acco' only"),
+    ("estimate_dtype not narrower", lambda: (make_model().parameters(),), {"estimate_dtype": torch.float32}, ValueError, "not narrower.*save no bytes"),
     ("synchronous_updates negative", lambda: (make_model().parameters(),), {"synchronous_updates": -1}, ValueError, "synchronous_updates must be"),
     ("synchronous_updates while accumulating", lambda: (make_model().parameters(),), {"accumulate_while_communicating": True, "synchronous_updates": 5}, ValueError, "one step\\(\\) per update"),
     ("Muon (not element-wise)", lambda: (make_model().parameters(), torch.optim.Muon), {}, ValueError, "Muon"),

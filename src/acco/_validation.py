@@ -89,6 +89,20 @@ def check_timeout(timeout: Any) -> None:
         )
 
 
+def check_estimate_dtype(estimate_dtype: Any, mode: str, reduce_dtype: torch.dtype) -> None:
+    if estimate_dtype is None:
+        return
+    if mode != "acco":
+        raise ValueError(f"estimate_dtype applies to mode='acco' only (its estimate round), got mode={mode!r}")
+    if not (isinstance(estimate_dtype, torch.dtype) and estimate_dtype.is_floating_point) or estimate_dtype == torch.float16:
+        raise TypeError(f"estimate_dtype must be torch.bfloat16 (or None), got {estimate_dtype}")
+    if estimate_dtype.itemsize >= reduce_dtype.itemsize:
+        raise ValueError(
+            f"estimate_dtype={estimate_dtype} is not narrower than the gradients' reduce dtype {reduce_dtype}: it "
+            "would save no bytes. It is for a model whose gradients travel in fp32: estimate_dtype=torch.bfloat16"
+        )
+
+
 def check_delay_options(mode: str, per_update: Any, elastic: bool, estimate_microbatches: Any,
                         synchronous_updates: Any) -> None:
     """``estimate_microbatches`` (mode acco: micro-batches before the estimate's hand-off) and

@@ -57,7 +57,7 @@ def fingerprints(opt: Any) -> List[Tuple[str, Any]]:
          (opt.microbatches_per_update, opt.accumulate_while_communicating, opt.min_microbatches, opt.max_microbatches)),
         ("compute_dtype", str(opt.compute_dtype)),
         ("accumulation_dtype", str(opt.accumulation_dtype)),
-        ("reduce_dtype", str(opt.reduce_dtype)),
+        ("reduce_dtype / estimate_dtype", (str(opt.reduce_dtype), str(opt.estimate_dtype))),
         ("estimate_microbatches / synchronous_updates", (opt.estimate_microbatches, opt.synchronous_updates)),
         ("max_grad_norm", opt.max_grad_norm),
         ("nonfinite", opt.nonfinite),

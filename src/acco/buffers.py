@@ -22,7 +22,7 @@ No collective here; device work only (copies, zeroing).
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -47,6 +47,7 @@ class FlatBuffers:
         reduce_dtype: torch.dtype,
         separate_grads: bool,
         collectives: str,
+        estimate_dtype: Optional[torch.dtype] = None,
     ) -> None:
         self.params = list(params)
         self.layout = layout
@@ -74,6 +75,10 @@ class FlatBuffers:
         self.comm = torch.zeros(n, dtype=rd, device=device)
         self.comm_weights = self.comm if rd == cd else self.comm.view(torch.uint8)[: n * cd.itemsize].view(cd)
         self.comm_views = layout.views(self.comm_weights)
+        # estimate_dtype: an estimate round's gradients and weights in the first bytes of the same buffer
+        self.comm_low = (None if estimate_dtype is None
+                         else self.comm.view(torch.uint8)[: n * estimate_dtype.itemsize].view(estimate_dtype))
+        self.comm_low_views = None if self.comm_low is None else layout.views(self.comm_low)
         # Where backward writes: straight into accum, unless it is of another dtype (then a buffer of its own,
         # folded into accum as each gradient arrives) or the loop accumulates while communicating (folded at
         # each step(), so that zero_grad() after a step() cannot wipe micro-batches awaiting a hand-off).
@@ -94,6 +99,8 @@ class FlatBuffers:
             rows=torch.zeros(3 * layout.world_size, dtype=torch.float64, device=device),
             staging=None if cd == master_dtype else torch.zeros(s, dtype=cd, device=device),
             collectives=collectives,
+            comm_low=self.comm_low,
+            low_slice=None if estimate_dtype is None else torch.zeros(s, dtype=estimate_dtype, device=device),
         )
         if rd != master_dtype:  # gradients reduced in a narrower dtype than the master's: their own landing slice
             b = self.shard
@@ -130,7 +137,7 @@ class FlatBuffers:
     def handoff(self, commit: bool) -> None:
         """The gradient sum goes into the round buffer; a commit's leaves the accumulation (an estimate's
         gradients count again in the commit), and ``.grad`` is zero after it in every default loop."""
-        self.comm.copy_(self.accum)
+        (self.comm if commit or self.comm_low is None else self.comm_low).copy_(self.accum)
         if commit:
             self.accum.zero_()
             if self.fold_on_arrival:  # .grad is the compute-dtype sum of its own: it goes with the update too
@@ -189,9 +196,10 @@ class FlatBuffers:
 
     # ------------------------------------------------------------ weights
 
-    def install(self, scheduler: Any) -> None:
-        """theta/theta~ swap: the round buffer's weights into the parameters (ordered after the round)."""
-        scheduler.install(self.params, self.comm_views)
+    def install(self, scheduler: Any, estimate: bool = False) -> None:
+        """theta/theta~ swap: the round buffer's weights into the parameters (ordered after the round);
+        ``estimate``: an estimate round's, which came back in estimate_dtype if it is set."""
+        scheduler.install(self.params, self.comm_low_views if estimate and self.comm_low is not None else self.comm_views)
 
     @torch.no_grad()
     def swap_model_and_comm(self) -> None:
@@ -227,8 +235,8 @@ class FlatBuffers:
             "comm": nbytes([self.comm]),
             "master": nbytes([b.master]),
             "master_grad": nbytes([b.grad]),
-            "staging": nbytes([b.staging] if b.grad_staging is None or b.grad_staging is b.staging
-                              else [b.staging, b.grad_staging]),
+            "staging": nbytes(([b.staging] if b.grad_staging is None or b.grad_staging is b.staging
+                               else [b.staging, b.grad_staging]) + [b.low_slice]),
             "optimizer_state": nbytes(optimizer_state),
             "estimate_scratch": nbytes(scratch),
             "round_temporaries": temporaries,

@@ -145,7 +145,7 @@ class RoundDriver:
         """theta/theta~ swap: put the collected round's weights into the model."""
         p = self.progress
         if p.pending is not None and (not commits_only or p.pending is RoundKind.COMMIT):
-            self.flat.install(self.scheduler)
+            self.flat.install(self.scheduler, estimate=p.pending is RoundKind.ESTIMATE)
             p.holds_estimate = p.pending is RoundKind.ESTIMATE
         p.pending = None
 

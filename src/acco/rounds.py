@@ -107,6 +107,10 @@ class ShardBuffers:
     staging: Optional[torch.Tensor] = None
     grad_staging: Optional[torch.Tensor] = None
     collectives: str = "native"  # or "ring": the reduce-scatter and all-gather (collectives.ring_algorithm)
+    # estimate_dtype: an estimate round's gradients out and weights back in the first bytes of ``comm``, through
+    # a slice of that dtype (the commit round stays in full precision)
+    comm_low: Optional[torch.Tensor] = None
+    low_slice: Optional[torch.Tensor] = None
     host_empty: Any = None  # (shape, dtype) -> a host tensor the device writes without blocking (device checks)
 
 
@@ -235,11 +239,13 @@ def run_round(ctx: RoundContext, spec: RoundSpec) -> RoundResult:
     torch.sum(b.rank_counts, dim=0, keepdim=True, out=b.count)
     if not ctx.device_checks:
         _check_pairs_on_host(kind, pairs)
-    if b.grad_staging is None:
+    low = kind is RoundKind.ESTIMATE and b.low_slice is not None  # estimate_dtype: half the bytes, both ways
+    landing = b.low_slice if low else b.grad_staging
+    if landing is None:
         reduce_scatter_flat(b.grad, b.comm, group, b.collectives)  # this rank's slice of the gradient sum
     else:
-        reduce_scatter_flat(b.grad_staging, b.comm, group, b.collectives)
-        b.grad.copy_(b.grad_staging)
+        reduce_scatter_flat(landing, b.comm_low if low else b.comm, group, b.collectives)
+        b.grad.copy_(landing)
     if spec.grad_scale is None:
         b.grad.div_(b.count)  # the mean over all micro-batches of all ranks
     else:
@@ -306,7 +312,10 @@ def run_round(ctx: RoundContext, spec: RoundSpec) -> RoundResult:
         if restore:
             snapshot.restore_where(undo, optimizer, params, b.master)  # a flag was raised: as if no step
         source = b.master if b.staging is None else b.staging.copy_(b.master)
-    all_gather_flat(b.weights, source, group, b.collectives)  # every rank's new slice -> full weights
+    if low:  # the estimate travels in estimate_dtype: theta~ is only where the next half's gradients are taken
+        all_gather_flat(b.comm_low, b.low_slice.copy_(source), group, b.collectives)
+    else:
+        all_gather_flat(b.weights, source, group, b.collectives)  # every rank's new slice -> full weights
     if snapshotted:
         snapshot.restore(optimizer, params, b.master)  # Opt*: leave theta and state untouched
     return RoundResult(kind, spec.local_microbatches, b.count, b.rank_counts, norm, skipped, report)
