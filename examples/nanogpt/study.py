@@ -381,7 +381,7 @@ def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--records", type=Path, default=ROOT / "docs" / "convergence_data" / "lr_study.jsonl")
     p.add_argument("--doc", type=Path, default=ROOT / "docs" / "convergence.md")
-    p.add_argument("--methods", type=lambda s: s.split(","), default=["ddp", "acco", "dpu", "acco-sync20", "acco-estimate3"])
+    p.add_argument("--methods", type=lambda s: s.split(","), default=["ddp", "acco", "acco-estimate3", "acco-sync20", "dpu"])
     p.add_argument("--lrs", type=lambda s: [float(x) for x in s.split(",")], default=[1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2])
     p.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[0, 1, 2])
     p.add_argument("--dpu-seeds", type=lambda s: [int(x) for x in s.split(",")], default=[0])
