@@ -344,7 +344,7 @@ def plot(records: List[dict], s: dict, out_dir: Path) -> List[Path]:
             rs = by_lr[lr]
             iters = [i for i, _ in rs[0]["val"]]
             mean = [statistics.fmean(r["val"][k][1] for r in rs) for k in range(len(iters))]
-            axes[0][j].plot(iters, mean, marker=".", label=f"{m} ({len(rs)} seeds)", color=colors.get(m))
+            axes[0][j].plot(iters, mean, marker=".", label=f"{m} ({len(rs)} seed{'s' if len(rs) > 1 else ''})", color=colors.get(m))
             if m != "ddp" and lr in t["ddp"]:
                 axes[1][j].plot(gap_over_time(rs, t["ddp"][lr], 10), label=m, color=colors.get(m))
         axes[0][j].set_title(f"peak LR {lr:g}")
