@@ -1,4 +1,4 @@
-"""An accelerate loop with torch AdamW (the accelerate idiom) or AccoOptimizer (the README's recipe),
+"""An accelerate loop with torch AdamW (the accelerate idiom) or AccoOptimizer (the recipe of docs/integrations.md),
 on a tiny GPT-2, under torchrun (2 gloo ranks).
 
 usage: accelerate_script.py OUT {adamw|acco} [--save-at N] [--resume DIR]

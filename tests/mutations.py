@@ -103,6 +103,16 @@ cases = [
  ("M39 reduce_dtype ignored (gradients travel in the accumulation dtype)", "src/acco/buffers.py",
   "        self.comm = torch.zeros(n, dtype=rd, device=device)", "        self.comm = torch.zeros(n, dtype=ad, device=device)",
   "tests/test_gpu_defects.py -k reduce_dtype"),
+ ("M41 the one-file checkpoint saves the model's current weights (the estimate), not the committed ones",
+  "src/acco/checkpoint.py", "        with optimizer.committed_weights():\n            out[\"model\"]",
+  "        if True:\n            out[\"model\"]", "tests/test_one_file_checkpoint.py"),
+ ("M42 every rank takes rank 0's shard of a gathered checkpoint", "src/acco/shard_state.py",
+  "    return entries[opt.rank]", "    return entries[0]", "tests/test_one_file_checkpoint.py"),
+ ("M43 the demo's speed-up column a constant", "examples/demo.py",
+  "{r['vs_sync']:.2f}x | {r['vs_ddp']:.2f}x", "{1.39:.2f}x | {r['vs_ddp']:.2f}x", "tests/test_demo.py"),
+ ("M44 the demo's hidden share from the library's own ACCO figure for every method", "examples/demo.py",
+  '"hidden": min(1.0, max(0.0, 1 - exposed / link)) if link > 0 else math.nan,',
+  '"hidden": r.get("acco_hidden") or 0.0,', "tests/test_demo.py"),
 ]
 only = sys.argv[1:]
 for name, path, old, new, tests in cases:

@@ -61,7 +61,7 @@ def test_hf_trainer(tmp_path):
 
 
 def test_accelerate_recipe(tmp_path):
-    """Check the README's accelerate recipe against accelerate's own AdamW loop, and save_state/load_state."""
+    """Check the accelerate recipe of docs/integrations.md against accelerate's own AdamW loop, and save_state/load_state."""
     dirs = {k: tmp_path / k for k in ("adamw", "acco", "resumed")}
     _torchrun("accelerate_script.py", dirs["adamw"], "adamw")
     _torchrun("accelerate_script.py", dirs["acco"], "acco", "--save-at", "10")
@@ -102,7 +102,7 @@ def test_hf_integration_reports_the_real_import_error(monkeypatch):
 
 
 def test_import_acco_reaches_the_integrations():
-    """The README's accelerate snippet writes acco.integrations.accelerate.prepare after `import acco` alone."""
+    """The accelerate snippet of docs/integrations.md writes acco.integrations.accelerate.prepare after `import acco` alone."""
     out = run_command([sys.executable, "-c", "import acco; print(acco.integrations.accelerate.prepare.__name__, "
                        "acco.integrations.hf.AccoTrainer.__name__)"], timeout=120)
     assert "prepare AccoTrainer" in out

@@ -62,7 +62,7 @@ def test_resumed_run_equals_uninterrupted(runs):
 
 
 def test_readme_states_the_port_diff_size():
-    """Check the README's figure for the lines a user changes is the real diff of the two scripts."""
+    """Check the README's figures for the lines a user changes (porting guide and results table) are the real diff."""
     a = open(os.path.join(EXAMPLE, "train_ddp.py")).read().splitlines()[5:]  # past the docstrings
     b = open(os.path.join(EXAMPLE, "train_acco.py")).read().splitlines()[5:]
     changed = [line for line in difflib.unified_diff(a, b, lineterm="", n=0)
@@ -70,3 +70,4 @@ def test_readme_states_the_port_diff_size():
     added, removed = sum(x.startswith("+") for x in changed), sum(x.startswith("-") for x in changed)
     readme = open(os.path.join(HERE, "..", "README.md")).read()
     assert f"{added} lines added and {removed} removed" in readme, (added, removed)
+    assert f"{added + removed} lines ({added} added, {removed} removed)" in readme, (added, removed)

@@ -47,6 +47,7 @@ BEGIN, END = "<!-- lr-study:begin (written by examples/nanogpt/study.py) -->", "
 NEAR_BEST = 0.05  # DDP is "near its best" at an LR where every seed ends within 5% of DDP's best mean
 STABLE_AFTER, STABLE_RISE = 50, 0.01  # "stable": after update 50 no held-out evaluation rises by more than 1%
 CLOSE = 0.01  # "within 1% of DDP"
+LATE = ("dpu", "acco-sync20")  # run after every seed of the others: references, not candidates for the default
 
 
 # ----------------------------------------------------------------------------- running
@@ -63,12 +64,12 @@ def config_of(args: argparse.Namespace) -> dict:
 
 
 def plan(args: argparse.Namespace) -> List[Tuple[str, float, int]]:
-    """The runs, most informative first: the first seed of every method and LR, then the other seeds of DDP and
-    ACCO (the comparison the study is for), then the other seeds of the remedies."""
+    """The runs, most informative first: the first seed of DDP, ACCO and the leading remedy, then their other
+    seeds (the comparison that decides the default), then the references (``LATE``: DPU, the other remedies)."""
     runs = [(m, lr, seed) for seed in args.seeds for m in args.methods for lr in args.lrs
             if m != "dpu" or seed in args.dpu_seeds]
     first = args.seeds[0]
-    return sorted(runs, key=lambda r: (r[2] != first and r[0] not in ("ddp", "acco"), r[2], args.methods.index(r[0]), r[1]))
+    return sorted(runs, key=lambda r: (r[0] in LATE, r[2] != first, r[2], args.methods.index(r[0]), r[1]))
 
 
 def load_records(path: Path) -> List[dict]:

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch.distributed import destroy_process_group, init_process_group
 
-from acco import AccoOptimizer
+import acco
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "gpt"))
 from data import load_corpus  # noqa: E402
@@ -61,13 +61,14 @@ model = GPT(GPTConfig(seq_len=block_size, d_model=n_embd, n_layers=n_layer, n_he
 decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
 no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
 groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-optimizer = AccoOptimizer(groups, torch.optim.AdamW, mode=mode, lr=learning_rate, betas=(beta1, beta2),
-                          microbatches_per_update=gradient_accumulation_steps, max_grad_norm=grad_clip or None)
+optimizer = torch.optim.AdamW(groups, lr=learning_rate, betas=(beta1, beta2))
+optimizer = acco.AccoOptimizer.from_optimizer(optimizer, mode=mode, microbatches_per_update=gradient_accumulation_steps,
+                                              max_grad_norm=grad_clip or None)
 iter_num = 0
 if init_from == "resume":
     checkpoint = torch.load(os.path.join(out_dir, "ckpt.pt"), weights_only=True)
     model.load_state_dict(checkpoint["model"])
-    optimizer.load_state_dict(torch.load(os.path.join(out_dir, f"optim.rank{rank}.pt"), weights_only=True))
+    optimizer.load_state_dict(checkpoint["optimizer"])
     iter_num = checkpoint["iter_num"]
 raw_model = model
 
@@ -92,17 +93,16 @@ while True:
     lr = get_lr(iter_num)
     for param_group in optimizer.param_groups:
         param_group["lr"] = lr
+    if iter_num % eval_interval == 0 and iter_num > 0:  # every rank: the committed model, every rank's shard
+        state = acco.checkpoint.gather(optimizer, model=raw_model)
     if iter_num % eval_interval == 0 and master_process:
         with optimizer.committed_weights():
             val_loss = estimate_loss()
         log.append({"iter": iter_num, "val_loss": val_loss})
         print(f"iter {iter_num}: val loss {val_loss:.4f}", flush=True)
         if iter_num > 0:
-            with optimizer.committed_weights():
-                checkpoint = {"model": raw_model.state_dict(), "iter_num": iter_num}
-                torch.save(checkpoint, os.path.join(out_dir, "ckpt.pt"))
-    if iter_num % eval_interval == 0 and iter_num > 0:
-        torch.save(optimizer.state_dict(), os.path.join(out_dir, f"optim.rank{rank}.pt"))  # every rank its shard
+            checkpoint = {"model": state["model"], "optimizer": state["optimizer"], "iter_num": iter_num}
+            torch.save(checkpoint, os.path.join(out_dir, "ckpt.pt"))
     if iter_num == max_iters or iter_num == stop_at:
         break
     train_loss = 0.0

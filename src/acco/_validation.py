@@ -43,6 +43,38 @@ def check_optimizer_class(optimizer_class: Any, assume_elementwise: Any = False)
     )
 
 
+def check_fresh_optimizer(optimizer: Any, options: Dict[str, Any]) -> None:
+    """``AccoOptimizer.from_optimizer``: a torch optimizer that has not stepped, and options that are ACCO's."""
+    if not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(
+            "AccoOptimizer.from_optimizer() takes a torch.optim.Optimizer instance (e.g. what "
+            f"model.configure_optimizers(...) returns), got {torch.typename(optimizer)}"
+        )
+    if hasattr(optimizer, "layout") and hasattr(optimizer, "local_optimizer"):
+        raise TypeError("AccoOptimizer.from_optimizer() got an AccoOptimizer: it is already one; use it as it is")
+    if any(optimizer.state.values()):
+        raise ValueError(
+            f"AccoOptimizer.from_optimizer() got a {type(optimizer).__name__} that has already stepped: its state "
+            "would be lost. Build the AccoOptimizer from a fresh optimizer, then resume from a checkpoint "
+            "(opt.load_state_dict, acco.checkpoint.load, or opt.load_consolidated_state_dict for a plain "
+            "optimizer's state dict)."
+        )
+    if "optimizer_class" in options or "params" in options:
+        raise TypeError(
+            "AccoOptimizer.from_optimizer(optimizer, **options): the parameters and optimizer_class come from "
+            f"the optimizer; got {sorted(k for k in options if k in ('optimizer_class', 'params'))} as well"
+        )
+
+
+def constructor_defaults(optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
+    """The optimizer's ``defaults`` its constructor accepts (torch's AdamW keeps ``decoupled_weight_decay``
+    in ``defaults`` but does not take it as an argument)."""
+    params = inspect.signature(type(optimizer).__init__).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
+        return dict(optimizer.defaults)
+    return {k: v for k, v in optimizer.defaults.items() if k in params}
+
+
 def check_mode(mode: Any) -> None:
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}, got {mode!r}")

@@ -43,6 +43,7 @@ import torch.distributed as dist
 from .checksums import CheckpointError, checksums, replicated_only, verify
 from .shard_state import (
     FORMAT_VERSION,
+    GATHERED,
     IMPLEMENTATION_FLAGS,
     check_compatible,
     check_loadable,
@@ -66,6 +67,7 @@ __all__ = [
     "IMPLEMENTATION_FLAGS",
     "consolidated_state_dict",
     "describe",
+    "gather",
     "load",
     "load_consolidated_state_dict",
     "load_state_dict",
@@ -74,6 +76,57 @@ __all__ = [
     "scalar_state",
     "state_dict",
 ]
+
+
+# ------------------------------------------------------- one file (torch.save)
+
+
+def _cpu_copy(tree: Any) -> Any:
+    if torch.is_tensor(tree):
+        return tree.detach().to("cpu", copy=True)
+    if isinstance(tree, dict):
+        return {k: _cpu_copy(v) for k, v in tree.items()}
+    return tree
+
+
+def gather(optimizer: "AccoOptimizer", *, model: Optional[torch.nn.Module] = None, dst: int = 0
+           ) -> Optional[Dict[str, Any]]:
+    """Both halves of a ``torch.save`` checkpoint, on one rank: ``{"model": ..., "optimizer": ...}``. Collective.
+
+    For loops where one process writes the checkpoint file (nanoGPT's ``master_process``)::
+
+        state = acco.checkpoint.gather(optimizer, model=raw_model)    # every rank, at the same update
+        if master_process:
+            torch.save({"model": state["model"], "optimizer": state["optimizer"], ...}, "ckpt.pt")
+        ...
+        model.load_state_dict(ckpt["model"])          # on resume, every rank reads the same file
+        optimizer.load_state_dict(ckpt["optimizer"])  # each rank takes its own shard (same world size)
+
+    ``"model"`` is ``model.state_dict()`` with the committed weights (what ``committed_weights()`` shows),
+    ``"optimizer"`` every rank's :meth:`AccoOptimizer.state_dict` in rank order, so resuming is exact, as
+    with one file per rank. Model and optimizer come from one call at one update, so they cannot be saved
+    under different conditions. Everything is a CPU copy (loadable with ``weights_only=True``); the
+    group's rank ``dst`` gets the dict (it holds every rank's slice: the whole optimizer state), the
+    others ``None``. Call it at an update boundary, on every rank; for another world size at load, use
+    :func:`save`/:func:`load` (DCP) instead.
+    """
+    group = optimizer.process_group
+    own = _cpu_copy(state_dict(optimizer))  # waits for the in-flight commit, as state_dict() does
+    if group is None:
+        entries: Optional[list] = [own]
+        rank = 0
+    else:
+        rank = dist.get_rank(group)
+        entries = [None] * dist.get_world_size(group) if rank == dst else None
+        # gather_object: this rank's state dict (pickled, CPU tensors) to the group's rank dst.
+        dist.gather_object(own, entries, dst=dist.get_global_rank(group, dst), group=group)
+    if rank != dst:
+        return None
+    out: Dict[str, Any] = {"optimizer": {GATHERED: entries}}
+    if model is not None:
+        with optimizer.committed_weights():
+            out["model"] = _cpu_copy(model.state_dict())
+    return out
 
 
 # ------------------------------------------------------------- files (DCP)

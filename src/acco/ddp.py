@@ -93,5 +93,5 @@ def check_not_reducing_twice(params: Iterable[torch.Tensor]) -> None:
                 "AccoOptimizer: the model is wrapped in DistributedDataParallel, whose all-reduce would communicate "
                 "every gradient a second time (AccoOptimizer reduce-scatters them itself). Either do not wrap the "
                 "model, or switch DDP's all-reduce off once after wrapping: acco.disable_gradient_allreduce(model). "
-                "HF Trainer: use acco.integrations.hf.AccoTrainer; accelerate: see the README's accelerate recipe."
+                "HF Trainer: use acco.integrations.hf.AccoTrainer; accelerate: see the recipe in docs/integrations.md."
             )

@@ -256,6 +256,24 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         self._hook_handles = hooks.install(self, self._params, self._flat.fold_on_arrival)
         hooks.LIVE.add(self)  # closed at interpreter exit if finish() never came
 
+    @classmethod
+    def from_optimizer(cls, optimizer: torch.optim.Optimizer, **options: Any) -> "AccoOptimizer":
+        """An ``AccoOptimizer`` over a fresh torch optimizer's parameters, groups and hyper-parameters.
+
+        For scripts that build their optimizer in a function of their own (nanoGPT's
+        ``model.configure_optimizers(...)``, a framework's ``create_optimizer()``)::
+
+            opt = AccoOptimizer.from_optimizer(model.configure_optimizers(...), microbatches_per_update=4)
+
+        ``options`` are the ``AccoOptimizer`` keyword arguments (``mode``, ``max_grad_norm``, ...). The given
+        optimizer is only read: its class becomes ``optimizer_class``, its param groups (with their per-group
+        ``lr``, ``weight_decay``, ``fused`` ...) and defaults are passed on. It must not have stepped yet: its
+        state would be lost (load a checkpoint into the ``AccoOptimizer`` instead). Collective, as construction is.
+        """
+        V.check_fresh_optimizer(optimizer, options)
+        groups = [dict(g) for g in optimizer.param_groups]
+        return cls(groups, type(optimizer), **{**V.constructor_defaults(optimizer), **options})
+
     # ------------------------------------------------------------------ state owned elsewhere
 
     @property

@@ -191,6 +191,24 @@ def _agree(opt: "AccoOptimizer", error: Optional[BaseException]) -> None:
         )
 
 
+GATHERED = "acco_ranks"  # acco.checkpoint.gather(): every rank's state_dict(), in rank order
+
+
+def own_entry(opt: "AccoOptimizer", sd: Any) -> Any:
+    """This rank's state dict: ``sd`` itself, or its entry of a gathered one (``acco.checkpoint.gather``)."""
+    if not (isinstance(sd, dict) and GATHERED in sd):
+        return sd
+    entries = sd[GATHERED]
+    if not isinstance(entries, (list, tuple)) or len(entries) != opt.world_size:
+        n = len(entries) if isinstance(entries, (list, tuple)) else type(entries).__name__
+        raise ValueError(
+            f"AccoOptimizer.load_state_dict(): the checkpoint holds the optimizer state of {n} rank(s) "
+            f"(acco.checkpoint.gather), this run has {opt.world_size}. Resume on {n} rank(s), or save with "
+            "acco.checkpoint.save/load (DCP), which load on any number of ranks. Nothing was loaded."
+        )
+    return entries[opt.rank]
+
+
 def _classify(sd: Any) -> str:
     if isinstance(sd, dict) and isinstance(sd.get("acco"), dict):
         return "rank_shard"
@@ -288,6 +306,7 @@ def check_loadable(opt: "AccoOptimizer", sd: Dict[str, Any]) -> None:
     anything (a refusal on one rank raises on all). Collective."""
     error: Optional[BaseException] = None
     try:
+        sd = own_entry(opt, sd)
         kind = _classify(sd)
         saved = sd["acco"] if kind == "rank_shard" else decode_meta(sd["meta"])
         check_compatible(opt, saved, rank_shard=kind == "rank_shard")
@@ -318,6 +337,7 @@ def load_state_dict(opt: "AccoOptimizer", sd: Dict[str, Any], checked: bool = Fa
     (any world size). Refuses anything else before changing any state. Collective."""
     if not checked:
         check_loadable(opt, sd)
+    sd = own_entry(opt, sd)
     opt._driver.collect()
     pieces = opt.layout.pieces(opt.rank)
     flat = opt._flat
@@ -329,12 +349,12 @@ def load_state_dict(opt: "AccoOptimizer", sd: Dict[str, Any], checked: bool = Fa
         for i, (p, pc) in enumerate(zip(opt._pieces, pieces)):
             st = opt.local_optimizer.state[p]
             for key, values in sd["state"].items():
-                st[key] = _local(values)[pc.local_start : pc.local_end].to(flat.master.dtype).clone()
+                st[key] = _local(values)[pc.local_start : pc.local_end].to(flat.master.device, flat.master.dtype).clone()
             for key, values in sd["scalars"].items():
                 st[key] = scalar_state(key, float(values[i]), p, group_of[id(p)])
         # The model's weights: each rank has a slice; gathered whole into the round buffer (idle between
         # updates: no model-sized temporary), then into the parameters.
-        _gather_full(opt, _local(sd["params"]).to(opt.compute_dtype), out=flat.comm_weights)
+        _gather_full(opt, _local(sd["params"]).to(opt.device, opt.compute_dtype), out=flat.comm_weights)
         flat.install(opt.scheduler)
         if opt._progress.load_tensor(sd["counters"]):  # a commit collected at save time: in at the next hand-off
             _gather_full(opt, flat.master[: opt.layout.real_numel(opt.rank)].to(opt.compute_dtype), out=flat.comm_weights)

@@ -1,6 +1,6 @@
 """An ``accelerate`` loop with an :class:`~acco.AccoOptimizer`: one call after ``accelerator.prepare``.
 
-The recipe (the README shows the whole loop)::
+The recipe (docs/integrations.md shows the whole loop)::
 
     model, loader = accelerator.prepare(model, loader)   # not the optimizer
     opt = AccoOptimizer(model.parameters(), torch.optim.AdamW, microbatches_per_update=4,

@@ -1,0 +1,81 @@
+"""`make demo`: its table and verdict are computed from the run's own records, never from constants."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+
+import pytest
+
+from _dist import run_command
+
+HERE = os.path.dirname(__file__)
+DEMO = os.path.join(HERE, "..", "examples", "demo.py")
+sys.path.insert(0, os.path.join(HERE, "..", "examples"))
+
+ROW = re.compile(r"^\| (DDP \+ AdamW|ZeRO-1 \(acco sync\)|ACCO) \| ([\d,]+) \| ([\d.]+)x \| ([\d.]+)x \| (\d+)% \| "
+                 r"([\d.]+) \(([+-][\d.]+)%\) \|$", re.M)
+
+
+def _rows(output: str) -> dict:
+    rows = {m[0]: m[1:] for m in ROW.findall(output)}
+    assert set(rows) == {"DDP + AdamW", "ZeRO-1 (acco sync)", "ACCO"}, output[-3000:]
+    return rows
+
+
+def test_short_demo_table_comes_from_its_records(tmp_path):
+    text = tmp_path / "corpus.txt"
+    text.write_text(open(DEMO).read() * 20)  # any text: the demo's own source
+    out = tmp_path / "demo"
+    output = run_command([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", DEMO,
+                          "--updates=3", "--microbatches=2", "--batch=2", "--seq-len=32", "--d-model=32", "--layers=1",
+                          "--eval-batches=1", "--no-plot", "--no-progress", f"--out={out}", f"--data={text}"],
+                         timeout=240)
+    records = [json.loads(line) for line in (out / "records.jsonl").read_text().splitlines()]
+    runs = {r["method"]: r for r in records if r.get("kind") == "run"}
+    assert set(runs) == {"compute", "ddp", "sync", "acco"}
+    assert all(runs[m]["updates"] == 3 for m in ("ddp", "sync", "acco")) and runs["compute"]["updates"] == 4
+    assert all(r["seconds"] > 0 for r in runs.values())
+    assert runs["compute"]["link_s"] == 0 and all(runs[m]["link_s"] > 0 for m in ("ddp", "sync", "acco"))
+    # acco moves two rounds per update, sync one, DDP one all-reduce of the same bytes
+    assert runs["acco"]["link_s"] == pytest.approx(2 * runs["sync"]["link_s"], rel=1e-6)
+    assert runs["ddp"]["link_s"] == pytest.approx(runs["sync"]["link_s"], rel=1e-2)  # (acco pads its flat buffer)
+    rows = _rows(output)
+    names = {"ddp": "DDP + AdamW", "sync": "ZeRO-1 (acco sync)", "acco": "ACCO"}
+    for m, name in names.items():
+        tps = runs[m]["tokens"] / runs[m]["seconds"]
+        assert rows[name][0] == f"{tps:,.0f}", (m, rows[name], tps)
+        assert rows[name][4] == f"{runs[m]['held_out_loss']:.4f}"
+    assert rows["ACCO"][1] == f"{(runs['acco']['tokens'] / runs['acco']['seconds']) / (runs['sync']['tokens'] / runs['sync']['seconds']):.2f}"
+    assert "ACCO trained" in output or "ACCO was not faster" in output
+
+
+def _write(out, tps: dict, link=1.0, compute_s=1.0):
+    out.mkdir()
+    recs = [{"kind": "setup", "link_mbit": 100.0, "link_share": 0.5, "updates": 10, "microbatches": 4, "batch": 8,
+             "seq_len": 128, "params": 1000, "world_size": 2},
+            {"kind": "run", "method": "compute", "updates": 10, "seconds": 10 * compute_s, "link_s": 0.0,
+             "tokens": 1000, "held_out_loss": 3.0, "curve": []}]
+    for m, (tokens_per_s, loss) in tps.items():
+        recs.append({"kind": "run", "method": m, "updates": 10, "seconds": 10_000 / tokens_per_s, "link_s": 10 * link,
+                     "tokens": 10_000, "held_out_loss": loss, "curve": [[0.1, 4.0], [0.2, 3.5]]})
+    (out / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+
+
+@pytest.mark.parametrize("acco_tps,expect", [(1500.0, "ACCO trained 1.50x as fast as ZeRO-1 and 1.25x as fast as DDP"),
+                                             (900.0, "ACCO was not faster here (0.90x ZeRO-1, 0.75x DDP")])
+def test_report_reads_the_records_only(tmp_path, acco_tps, expect):
+    import demo
+
+    out = tmp_path / "demo"
+    _write(out, {"ddp": (1200.0, 3.0), "sync": (1000.0, 3.0), "acco": (acco_tps, 3.03)})
+    s = demo.summarize(demo.load_records(out / "records.jsonl"))
+    assert demo.verdict(s).startswith(expect), demo.verdict(s)
+    rows = _rows(demo.table(s))
+    assert rows["ACCO"][:3] == (f"{acco_tps:,.0f}", f"{acco_tps / 1000:.2f}", f"{acco_tps / 1200:.2f}")
+    assert rows["ACCO"][5] == "+1.00"
+    # hidden = 1 - (s per update - compute s per update) / link s per update
+    per_update = 10_000 / acco_tps / 10
+    assert rows["ACCO"][3] == f"{min(1.0, max(0.0, 1 - max(0.0, per_update - 1.0) / 1.0)):.0%}".rstrip("%")
