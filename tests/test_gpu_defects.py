@@ -47,7 +47,7 @@ def test_fused_adamw_resumes_exactly():
 
     model2 = make_model(seed=7)
     opt2 = AccoOptimizer(model2.parameters(), torch.optim.AdamW, **kw)
-    opt2.load_state_dict(saved)
+    opt2.load_state_dict(saved, restore_model=True)  # a fresh model: its weights come from the state
     step = next(iter(opt2.local_optimizer.state.values()))["step"]
     assert step.dtype == torch.float32 and step.device == opt2._flat.master.device
     run(model2, opt2, 3, 6)

@@ -20,7 +20,8 @@ M = 4  # micro-batches per update
 def _loss(model, rank, update, micro):
     g = torch.Generator().manual_seed(1000 * update + 10 * micro + rank)
     x, y = torch.randn(6, 5, generator=g), torch.randn(6, 3, generator=g)
-    return ((model(x) - y) ** 2).mean()
+    dtype = next(model.parameters()).dtype
+    return ((model(x.to(dtype)) - y.to(dtype)) ** 2).float().mean()
 
 
 def _updates(model, opt, rank, start, stop):
@@ -144,3 +145,37 @@ def test_gather_without_a_process_group_round_trips():
     _updates(model2, opt2, 0, 2, 3)
     assert torch.equal(flat(model), flat(model2))
     assert acco.checkpoint.gather is ckpt.gather
+
+
+def _committed_state(model, opt):
+    with opt.committed_weights():
+        return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_model_and_optimizer_from_different_checkpoints_are_refused(dtype):
+    """nanoGPT's mix-up: the model saved when validation improved (update 3), the optimizer at every evaluation
+    (update 5). Loading both must be refused, naming the optimizer's update; matching pairs load."""
+    model = make_model().to(dtype)
+    opt = AccoOptimizer.from_optimizer(_configure_optimizers(model), microbatches_per_update=M)
+    _updates(model, opt, 0, 0, 3)
+    model_at_3 = _committed_state(model, opt)
+    _updates(model, opt, 0, 3, 5)
+    model_at_5, estimate_at_5 = _committed_state(model, opt), {k: v.clone() for k, v in model.state_dict().items()}
+    optim_at_5 = opt.state_dict()
+    assert not all(torch.equal(model_at_5[k], estimate_at_5[k]) for k in model_at_5)  # mode acco: two weights
+
+    fresh = make_model(seed=3).to(dtype)
+    fresh.load_state_dict(model_at_3)
+    opt2 = AccoOptimizer.from_optimizer(_configure_optimizers(fresh), microbatches_per_update=M)
+    before = flat(fresh)
+    with pytest.raises(ValueError, match=r"not the ones this optimizer state was saved with \(it holds 5 committed"):
+        opt2.load_state_dict(optim_at_5)
+    assert torch.equal(flat(fresh), before)  # nothing loaded
+    assert opt2.local_optimizer.state == {} or all(not s for s in opt2.local_optimizer.state.values())
+    for good in (model_at_5, estimate_at_5):  # the committed weights, or the weights saved outside the block
+        fresh.load_state_dict(good)
+        opt2.load_state_dict(optim_at_5)
+    fresh.load_state_dict(model_at_3)
+    opt2.load_state_dict(optim_at_5, restore_model=True)  # explicit: the model's weights come from the state
+    assert torch.equal(flat(fresh), flat(model))

@@ -301,7 +301,29 @@ def meta_template(meta_keys) -> Dict[str, torch.Tensor]:
     return {k: torch.zeros(shape, dtype=torch.int64 if len(shape) == 0 else torch.uint8) for k, shape in meta_keys.items()}
 
 
-def check_loadable(opt: "AccoOptimizer", sd: Dict[str, Any]) -> None:
+def check_model_matches(opt: "AccoOptimizer", sd: Dict[str, Any]) -> None:
+    """Refuse a model that is not the one this optimizer state was saved with (a model and an optimizer from
+    different checkpoints). Free to check: the model was saved with the committed weights, which are the fp32
+    master's (in bf16 its rounding), or with the weights for the next micro-batch (``params``). Local."""
+    model = opt._flat.model_slice(opt._view_swapped)
+    master = _local(sd["master"]).to(model.device, model.dtype)
+    params = _local(sd["params"]).to(model.device, model.dtype)
+    if torch.equal(model, master) or torch.equal(model, params):
+        return
+    updates = Progress.saved_field(sd["counters"], "num_updates")
+    diff = float((model.float() - master.float()).abs().max()) if model.numel() else 0.0
+    raise ValueError(
+        f"AccoOptimizer.load_state_dict(): the model's weights are not the ones this optimizer state was saved "
+        f"with (it holds {updates} committed update(s); largest difference from its committed weights on rank "
+        f"{opt.rank}: {diff:.3g}). The model comes from another checkpoint or was not loaded, and resuming would "
+        "mix two points of training. Load the model saved with this optimizer state first (saved inside "
+        "opt.committed_weights(); acco.checkpoint.gather or acco.checkpoint.save(..., model=model) save both "
+        "in one call), or, to take the model's weights from this optimizer state alone, call "
+        "opt.load_state_dict(sd, restore_model=True). Nothing was loaded."
+    )
+
+
+def check_loadable(opt: "AccoOptimizer", sd: Dict[str, Any], restore_model: bool = True) -> None:
     """Everything :func:`load_state_dict` refuses, checked on every rank and agreed on before any rank changes
     anything (a refusal on one rank raises on all). Collective."""
     error: Optional[BaseException] = None
@@ -327,16 +349,19 @@ def check_loadable(opt: "AccoOptimizer", sd: Dict[str, Any]) -> None:
                 f"{saved_m}, this optimizer has {opt.microbatches_per_update}. Nothing was loaded."
             )
         _require_boundary(opt, "load_state_dict")
+        if kind == "rank_shard" and not restore_model:
+            check_model_matches(opt, sd)
     except Exception as exc:  # whatever it is, every rank must hear of it before the load's collectives
         error = exc
     _agree(opt, error)
 
 
-def load_state_dict(opt: "AccoOptimizer", sd: Dict[str, Any], checked: bool = False) -> None:
+def load_state_dict(opt: "AccoOptimizer", sd: Dict[str, Any], checked: bool = False, restore_model: bool = True) -> None:
     """Restore :func:`state_dict` output: this rank's own (same world size), or the sharded form through DCP
-    (any world size). Refuses anything else before changing any state. Collective."""
+    (any world size). Refuses anything else before changing any state; with ``restore_model=False``, also a
+    model that is not the one the state was saved with (:func:`check_model_matches`). Collective."""
     if not checked:
-        check_loadable(opt, sd)
+        check_loadable(opt, sd, restore_model)
     sd = own_entry(opt, sd)
     opt._driver.collect()
     pieces = opt.layout.pieces(opt.rank)
