@@ -140,3 +140,45 @@ def test_tampered_rank_state_dict_is_refused(tmp_path):
         opt.load_state_dict(sd)
     assert _same(before, _everything(model, opt))
     opt.finish()
+
+
+def test_edited_description_is_refused(tmp_path):
+    """Check what a state dict says it is (mode, optimizer, ...) is covered by its checksums: a sync state dict
+    relabelled as acco is refused on load, nothing changes."""
+    model = _model(0)
+    opt = AccoOptimizer(model.parameters(), mode="sync", **KW)
+    _train(model, opt, 2, seed=1)
+    sd = opt.state_dict()
+    opt.finish()
+    sd["acco"]["mode"] = "acco"
+    model, opt = _victim()
+    before = _everything(model, opt)
+    with pytest.raises(CheckpointError, match="'meta/mode' does not match its checksum"):
+        opt.load_state_dict(sd, restore_model=True)
+    assert _same(before, _everything(model, opt))
+    opt.finish()
+
+
+def test_dcp_load_into_a_fresh_optimizers_template_is_refused(tmp_path):
+    """Check a raw dcp.load into a fresh optimizer's sharded_state_dict() (which lists no optimizer state, so
+    DCP skips it) is refused instead of training on without AdamW's moments; acco.checkpoint.load works."""
+    import torch.distributed.checkpoint as dcp
+
+    model = _model(0)
+    opt = AccoOptimizer(model.parameters(), **KW)
+    _train(model, opt, 2, seed=1)
+    with opt.committed_weights():
+        acco.checkpoint.save(str(tmp_path / "ckpt"), opt, model=model)
+    opt.finish()
+    model2 = _model(5)
+    fresh = AccoOptimizer(model2.parameters(), **KW)
+    target = {"optim": fresh.sharded_state_dict()}
+    assert target["optim"]["state"] == {}
+    dcp.load(target, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
+    before = _everything(model2, fresh)
+    with pytest.raises(ValueError, match=r"holds 3 optimizer-state entries.*listed 0.*acco.checkpoint.load"):
+        fresh.load_state_dict(target["optim"])
+    assert _same(before, _everything(model2, fresh))
+    acco.checkpoint.load(str(tmp_path / "ckpt"), fresh, model=model2)
+    assert set(next(iter(fresh.local_optimizer.state.values()))) == {"step", "exp_avg", "exp_avg_sq"}
+    fresh.finish()

@@ -136,13 +136,20 @@ def describe(opt: "AccoOptimizer") -> Dict[str, Any]:
     digest = hashlib.sha256(repr(opt.layout.shapes).encode()).hexdigest()[:16]
     return {"format": FORMAT_VERSION, "mode": opt.mode, "optimizer": f"{cls.__module__}.{cls.__qualname__}",
             "layout": f"{opt.layout.numel} elements in {len(opt.layout.shapes)} tensors, shapes {digest}",
-            "dtypes": f"compute {opt.compute_dtype}, master {opt._flat.master.dtype}"}
+            "dtypes": f"compute {opt.compute_dtype}, master {opt._flat.master.dtype}",
+            # how many optimizer-state entries it holds: a DCP load target that lists fewer is refused
+            "state_entries": sum(len(keys) for keys in _state_keys(opt))}
 
 
 def _encode(meta: Dict[str, Any]) -> Dict[str, torch.Tensor]:
     """Strings and ints as tensors (DCP stores tensors only; nothing is pickled)."""
     return {k: torch.tensor(v, dtype=torch.int64) if isinstance(v, int) else torch.tensor(list(str(v).encode()), dtype=torch.uint8)
             for k, v in meta.items()}
+
+
+def _covered(body: Dict[str, Any], info: Dict[str, Any]) -> Dict[str, Any]:
+    """What a per-rank state dict's checksums cover: its tensors and what it says it is (mode, optimizer, ...)."""
+    return {"optim": body, "meta": _encode(info)}
 
 
 def decode_meta(meta: Dict[str, torch.Tensor]) -> Dict[str, Any]:
@@ -255,8 +262,9 @@ def state_dict(opt: "AccoOptimizer", sharded: bool = False) -> Dict[str, Any]:
     if sharded:
         out["meta"] = _encode(describe(opt))
     else:
-        out["checksums"] = checksums(opt, {"optim": out})
-        out["acco"] = {**describe(opt), "rank": opt.rank, "world_size": opt.world_size}
+        info = {**describe(opt), "rank": opt.rank, "world_size": opt.world_size}
+        out["checksums"] = checksums(opt, _covered(out, info))
+        out["acco"] = info
     return out
 
 
@@ -336,7 +344,17 @@ def check_loadable(opt: "AccoOptimizer", sd: Dict[str, Any], restore_model: bool
             if not isinstance(sd.get("checksums"), dict):
                 raise CheckpointError("AccoOptimizer.load_state_dict(): the state dict has no checksums. Nothing was loaded.")
             body = {k: v for k, v in sd.items() if k not in ("acco", "checksums")}
-            verify(opt, {"optim": body}, sd["checksums"], "AccoOptimizer.load_state_dict()")
+            verify(opt, _covered(body, sd["acco"]), sd["checksums"], "AccoOptimizer.load_state_dict()")
+        else:
+            listed, held = len(sd["state"]) + len(sd["scalars"]), saved.get("state_entries")
+            if held is not None and listed != held:
+                raise ValueError(
+                    f"AccoOptimizer.load_state_dict(): the checkpoint holds {held} optimizer-state entries, the "
+                    f"state dict it was loaded into listed {listed} (a fresh optimizer's sharded_state_dict() "
+                    "lists none, so dcp.load skipped them and training would go on without them). Load with "
+                    "acco.checkpoint.load(path, opt), which builds the complete target from the checkpoint. "
+                    "Nothing was loaded."
+                )
         try:
             Progress.check_saved(sd["counters"])
         except ValueError as exc:
