@@ -171,3 +171,52 @@ def test_interop_with_plain_adamw_both_directions():
     """Check that optimizer state moves between torch.optim.AdamW and AccoOptimizer with no change to the run."""
     for res in run_ranks(_interop_worker, 2):
         assert res["to_acco"] < 1e-6 and res["to_plain"] < 1e-6, res
+
+
+# ---- the world shrinks: the same global batch from twice the micro-batches on half the ranks
+
+def _block_loss(model, update, micro, rank):
+    """Sample block (update, micro-batch, rank) of the 2-rank run: the same tensors whoever computes them."""
+    g = torch.Generator().manual_seed(100_000 * update + 100 * micro + rank + 1)
+    x, y = torch.randn(4, 5, generator=g), torch.randn(4, 3, generator=g)
+    return ((model(x) - y) ** 2).mean()
+
+
+def _two_rank_updates(model, opt, rank, start, stop):
+    for u in range(start, stop):
+        for m in range(2):
+            (_block_loss(model, u, m, rank) / 2).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _shrink_save_worker(rank, world, mode, path):
+    model = make_model()
+    opt = AccoOptimizer(model.parameters(), mode=mode, microbatches_per_update=2, **KW)
+    _two_rank_updates(model, opt, rank, 0, 3)
+    with opt.committed_weights():
+        ckpt.save(path, opt, model=model, extra={"update": torch.tensor(3)})
+    _two_rank_updates(model, opt, rank, 3, 6)
+    opt.finish()
+    return flat(model)
+
+
+@pytest.mark.parametrize("mode", ["acco", "sync"])
+def test_shrink_to_one_rank_with_twice_the_microbatches_continues_the_run(tmp_path, mode):
+    """2 ranks x 2 micro-batches, checkpoint, then 1 rank x 4 micro-batches of the same blocks (the first half
+    of an update is micro-batch 0 of both ranks, as on 2 ranks): the run ends where the 2-rank run ends."""
+    path = str(tmp_path / "ckpt")
+    reference = run_ranks(_shrink_save_worker, 2, mode, path)[0]
+    model = make_model(seed=9)
+    opt = AccoOptimizer(model.parameters(), mode=mode, microbatches_per_update=4, **KW)  # one process
+    with pytest.raises(ValueError, match="microbatches_per_update=2, this optimizer has 4.*allow_new_microbatches=True"):
+        ckpt.load(path, opt, model=model, extra={"update": torch.tensor(0)})
+    start = int(ckpt.load(path, opt, model=model, extra={"update": torch.tensor(0)}, allow_new_microbatches=True)["update"])
+    assert opt.microbatches_per_update == 4
+    for u in range(start, 6):
+        for m, r in ((0, 0), (0, 1), (1, 0), (1, 1)):
+            (_block_loss(model, u, m, r) / 4).backward()
+        opt.step()
+        opt.zero_grad()
+    opt.finish()
+    assert rel_err(flat(model), reference) < 1e-6, rel_err(flat(model), reference)

@@ -183,11 +183,14 @@ def resolve(path: str) -> str:
 
 
 def load(path: str, optimizer: "AccoOptimizer", *, model: Optional[torch.nn.Module] = None,
-         extra: Optional[Dict[str, torch.Tensor]] = None) -> Dict[str, torch.Tensor]:
+         extra: Optional[Dict[str, torch.Tensor]] = None, allow_new_microbatches: bool = False
+         ) -> Dict[str, torch.Tensor]:
     """Read a checkpoint written by :func:`save` on any number of ranks. Collective.
 
     ``extra`` gives the names (and shapes) of your own tensors to read back;
     they are returned. Loading executes no code: every entry is a tensor.
+    ``allow_new_microbatches``: accept a checkpoint saved with another ``microbatches_per_update`` and go on
+    with the optimizer's (e.g. twice the micro-batches on half the ranks: the same global batch).
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
@@ -240,7 +243,7 @@ def load(path: str, optimizer: "AccoOptimizer", *, model: Optional[torch.nn.Modu
     read(sd)
     expected = {k: v for k, v in sd.pop("checksums").items() if not (k.startswith("model/") and k[6:] in trained)}
     verify(optimizer, {k: v for k, v in sd.items()}, expected, where, subset=True)
-    check_loadable(optimizer, sd["optim"])  # before the model changes
+    check_loadable(optimizer, sd["optim"], allow_new_microbatches=allow_new_microbatches)  # before the model changes
     if model is not None:
         # The trained parameters load from themselves here; load_state_dict below writes them from the
         # checkpoint's slices (all-gathered into the idle round buffer): no model-sized copy.

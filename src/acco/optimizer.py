@@ -508,13 +508,18 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         """The state as 1-D DTensors for ``torch.distributed.checkpoint`` (any world size at load). Local."""
         return _checkpoint.state_dict(self, sharded=True)
 
-    def load_state_dict(self, state_dict: Dict[str, Any], *, restore_model: bool = False) -> None:
+    def load_state_dict(self, state_dict: Dict[str, Any], *, restore_model: bool = False,
+                        allow_new_microbatches: bool = False) -> None:
         """Restore :meth:`state_dict` (this rank's, same world size; or what :func:`acco.checkpoint.gather`
         saved) or :meth:`sharded_state_dict` (through DCP, any world size); also restores the model's
         parameters. Refuses anything else before changing any state, and a model whose weights are not the
         ones this state was saved with (load the model saved with it first; ``restore_model=True``: the
-        model may hold anything, its weights come from the state alone). Collective: call on all ranks."""
-        _checkpoint.load_state_dict(self, state_dict, restore_model=restore_model)
+        model may hold anything, its weights come from the state alone). A state saved with another
+        ``microbatches_per_update`` is refused unless ``allow_new_microbatches=True``: then training goes on
+        with this optimizer's count (keep the global batch when the number of ranks changes). Collective:
+        call on all ranks."""
+        _checkpoint.load_state_dict(self, state_dict, restore_model=restore_model,
+                                    allow_new_microbatches=allow_new_microbatches)
 
     def consolidated_state_dict(self) -> Dict[str, Any]:
         """Full per-parameter state in the wrapped optimizer's own format. Collective."""

@@ -83,7 +83,8 @@ class Progress:
         self.num_skipped_updates = v["num_skipped_updates"]
         self.committed_mb.fill_(v["committed_microbatches"])
         self.commits_handed_off, self.holds_estimate = v["commits_handed_off"], bool(v["holds_estimate"])
-        self.microbatches_per_update = v["microbatches_per_update"] or self.microbatches_per_update
+        # the optimizer's own count when it was given one (the load allowed a change); else the checkpoint's
+        self.microbatches_per_update = self.microbatches_per_update or v["microbatches_per_update"] or None
         self.pending = RoundKind.COMMIT if v["pending_commit"] else None
         self.start_window()
         return self.pending is RoundKind.COMMIT

@@ -331,7 +331,8 @@ def check_model_matches(opt: "AccoOptimizer", sd: Dict[str, Any]) -> None:
     )
 
 
-def check_loadable(opt: "AccoOptimizer", sd: Dict[str, Any], restore_model: bool = True) -> None:
+def check_loadable(opt: "AccoOptimizer", sd: Dict[str, Any], restore_model: bool = True,
+                   allow_new_microbatches: bool = False) -> None:
     """Everything :func:`load_state_dict` refuses, checked on every rank and agreed on before any rank changes
     anything (a refusal on one rank raises on all). Collective."""
     error: Optional[BaseException] = None
@@ -361,10 +362,13 @@ def check_loadable(opt: "AccoOptimizer", sd: Dict[str, Any], restore_model: bool
             raise CheckpointError(f"AccoOptimizer.load_state_dict(): {exc}: written by another acco version. "
                                   "Nothing was loaded.") from None
         saved_m = Progress.saved_field(sd["counters"], "microbatches_per_update") or None
-        if saved_m is not None and opt.microbatches_per_update not in (None, saved_m):
+        if saved_m is not None and opt.microbatches_per_update not in (None, saved_m) and not allow_new_microbatches:
             raise ValueError(
                 f"AccoOptimizer.load_state_dict(): the state dict was written with microbatches_per_update="
-                f"{saved_m}, this optimizer has {opt.microbatches_per_update}. Nothing was loaded."
+                f"{saved_m}, this optimizer has {opt.microbatches_per_update}. To go on with "
+                f"{opt.microbatches_per_update} (e.g. the same global batch on fewer ranks), pass "
+                "allow_new_microbatches=True (opt.load_state_dict or acco.checkpoint.load); otherwise build the "
+                f"optimizer with microbatches_per_update={saved_m}. Nothing was loaded."
             )
         _require_boundary(opt, "load_state_dict")
         if kind == "rank_shard" and not restore_model:
@@ -374,12 +378,13 @@ def check_loadable(opt: "AccoOptimizer", sd: Dict[str, Any], restore_model: bool
     _agree(opt, error)
 
 
-def load_state_dict(opt: "AccoOptimizer", sd: Dict[str, Any], checked: bool = False, restore_model: bool = True) -> None:
+def load_state_dict(opt: "AccoOptimizer", sd: Dict[str, Any], checked: bool = False, restore_model: bool = True,
+                    allow_new_microbatches: bool = False) -> None:
     """Restore :func:`state_dict` output: this rank's own (same world size), or the sharded form through DCP
     (any world size). Refuses anything else before changing any state; with ``restore_model=False``, also a
     model that is not the one the state was saved with (:func:`check_model_matches`). Collective."""
     if not checked:
-        check_loadable(opt, sd, restore_model)
+        check_loadable(opt, sd, restore_model, allow_new_microbatches)
     sd = own_entry(opt, sd)
     opt._driver.collect()
     pieces = opt.layout.pieces(opt.rank)
