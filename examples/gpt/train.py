@@ -65,7 +65,18 @@ def parse_args(argv=None):
     p.add_argument("--threads", type=int, default=1, help="torch threads per rank on CPU")
     p.add_argument("--out", default=None, help="folder for metrics.jsonl and summary.json")
     p.add_argument("--no-progress", action="store_true")
-    return p.parse_args(argv)
+    p.add_argument("--ckpt-dir", default=None, help="checkpoint folder: CKPT_DIR/update_NNNNNNN (ACCO modes)")
+    p.add_argument("--ckpt-every", type=int, default=50, help="updates between checkpoints")
+    p.add_argument("--ckpt-keep", type=int, default=2, help="checkpoints kept (the newest)")
+    p.add_argument("--stop-at", type=int, default=-1, help="exit right after the checkpoint of this update, as if killed")
+    p.add_argument("--resume", default="none",
+                   help="'auto': the latest complete checkpoint in --ckpt-dir (none: start fresh); a folder; 'none'")
+    args = p.parse_args(argv)
+    if (args.resume != "none" or args.ckpt_dir) and args.optimizer == "torch-zero":
+        p.error("--ckpt-dir/--resume: checkpoints are written with acco.checkpoint (modes acco, dpu, sync)")
+    if args.resume == "auto" and not args.ckpt_dir:
+        p.error("--resume auto looks in --ckpt-dir: give it")
+    return args
 
 
 def lr_at(update: int, args) -> float:
@@ -174,6 +185,59 @@ def evaluate(model, batches, rank, world, device) -> float:
     return (total[0] / total[1]).item()
 
 
+def save(args, trainer, model, gen, rank, world) -> None:
+    """A checkpoint at an update boundary, on every rank, through acco.checkpoint (DCP: each rank writes its
+    slice into a temporary folder, the folder is marked complete once every rank has written, then renamed into
+    place). It holds the model (committed weights), the optimizer, the update index, every rank's data-stream
+    position (its generator state) and the torch RNG."""
+    import shutil
+
+    import acco.checkpoint
+
+    streams = [gen.get_state()]
+    if world > 1:
+        streams = [torch.empty_like(streams[0]) for _ in range(world)]
+        dist.all_gather(streams, gen.get_state())  # every rank's data position, so each resumes its own stream
+    path = os.path.join(args.ckpt_dir, f"update_{trainer.started:07d}")
+    with trainer.opt.committed_weights():  # the saved model is the committed one
+        acco.checkpoint.save(path, trainer.opt, model=model,
+                             extra={"update": torch.tensor(trainer.started), "data_streams": torch.stack(streams),
+                                    "torch_rng": torch.get_rng_state()})
+    if rank == 0:  # keep the newest --ckpt-keep complete ones
+        done = sorted(d for d in os.listdir(args.ckpt_dir) if d.startswith("update_") and not d.endswith((".tmp", ".old")))
+        for old in done[: -args.ckpt_keep]:
+            shutil.rmtree(os.path.join(args.ckpt_dir, old), ignore_errors=True)
+        print(json.dumps({"checkpoint": path, "update": trainer.started}), flush=True)
+
+
+def resume(args, trainer, model, gen, rank, world):
+    """``--resume auto``: the latest complete checkpoint of --ckpt-dir, if any (none: a fresh start); a folder:
+    that one. It may come from another number of ranks: DCP reshards the optimizer; a rank the checkpoint had
+    no data stream for starts its own. Returns the folder, or None."""
+    import torch.distributed.checkpoint as dcp
+
+    import acco.checkpoint
+
+    if args.resume == "none":
+        return None
+    path = acco.checkpoint.latest(args.ckpt_dir) if args.resume == "auto" else acco.checkpoint.resolve(args.resume)
+    if path is None:
+        return None
+    saved_streams = dcp.FileSystemReader(path).read_metadata().state_dict_metadata["extra.data_streams"].size
+    extra = acco.checkpoint.load(path, trainer.opt, model=model,
+                                 extra={"update": torch.tensor(0), "data_streams": torch.zeros(saved_streams, dtype=torch.uint8),
+                                        "torch_rng": torch.get_rng_state()})
+    torch.set_rng_state(extra["torch_rng"])
+    if rank < extra["data_streams"].shape[0]:
+        gen.set_state(extra["data_streams"][rank].clone())
+    if int(extra["update"]) != trainer.started:
+        raise SystemExit(f"{path}: saved at update {int(extra['update'])}, the optimizer resumed at {trainer.started}")
+    if rank == 0:
+        print(json.dumps({"resumed_from": path, "update": trainer.started, "saved_ranks": saved_streams[0],
+                          "ranks": world, "unix_time": time.time()}), flush=True)
+    return path
+
+
 def main(argv=None):
     args = parse_args(argv)
     rank, world = setup()
@@ -196,17 +260,19 @@ def train(args, rank, world):
     model = build_model(args.model, cfg).to(device)
     trainer = Trainer(model, args, world)
     gen = torch.Generator().manual_seed(args.seed * 1000 + rank)  # each rank its own data stream
+    resumed_from = resume(args, trainer, model, gen, rank, world)
 
     out = Path(args.out) if args.out and rank == 0 else None
     if out:
         out.mkdir(parents=True, exist_ok=True)
-        (out / "metrics.jsonl").write_text("")
+        if resumed_from is None or not (out / "metrics.jsonl").exists():
+            (out / "metrics.jsonl").write_text("")
     bar = None
     if rank == 0 and not args.no_progress:
         try:
             from tqdm import tqdm
 
-            bar = tqdm(total=args.steps, desc=args.optimizer, unit="upd", dynamic_ncols=True)
+            bar = tqdm(total=args.steps, initial=trainer.started, desc=args.optimizer, unit="upd", dynamic_ncols=True)
         except ImportError:
             pass
 
@@ -223,11 +289,13 @@ def train(args, rank, world):
     if rank == 0:
         print(f"{args.optimizer}: {n_params/1e6:.2f}M parameters, {world} rank(s), {device}, "
               f"train {len(train_data)/1e6:.1f} MB, held-out {len(held_out)/1e6:.2f} MB", flush=True)
-    eval_time, losses, last_logged, last_eval = 0.0, [], 0, -1
+    eval_time, losses, last_logged, last_eval, last_saved = 0.0, [], trainer.updates, -1, trainer.started
+    last_saved_at_start = trainer.updates
     start = time.perf_counter()
     first = evaluate(model, evals, rank, world, device)
     eval_time += time.perf_counter() - start
-    log({"step": 0, "tokens": 0, "time": 0.0, "train_loss": None, "eval_loss": first, "lr": lr_at(0, args)})
+    log({"step": trainer.updates, "tokens": trainer.tokens(), "time": 0.0, "train_loss": None, "eval_loss": first,
+         "lr": lr_at(trainer.started, args)})
     while trainer.started < args.steps:
         x, y = sample_batch(train_data, trainer.micro, args.seq_len, gen)
         t0 = time.perf_counter()
@@ -236,6 +304,9 @@ def train(args, rank, world):
             time.sleep((args.slow_factor - 1.0) * (time.perf_counter() - t0))  # a slower device
         trainer.after_backward()
         u = trainer.updates
+        if resumed_from is not None and rank == 0 and u > last_saved_at_start:
+            print(json.dumps({"first_update_after_resume": u, "unix_time": time.time()}), flush=True)
+            resumed_from = None
         if u != last_logged and (u % args.log_every == 0 or u == args.steps):
             wall = time.perf_counter() - start - eval_time
             rec = {"step": u, "tokens": trainer.tokens(), "time": round(wall, 3),
@@ -250,6 +321,12 @@ def train(args, rank, world):
                 bar.update(u - last_logged)
                 bar.set_postfix(loss=f"{rec['train_loss']:.3f}", tok_s=f"{rec['tokens'] / max(wall, 1e-9):.0f}")
             losses, last_logged = [], u
+        if (args.ckpt_dir and trainer.started % args.ckpt_every == 0 and trainer.started != last_saved
+                and trainer.started < args.steps and trainer.opt.at_update_boundary):
+            save(args, trainer, model, gen, rank, world)
+            last_saved = trainer.started
+            if trainer.started == args.stop_at:
+                os._exit(0)  # as if the host died here: no finish(), nothing flushed
     trainer.finish()  # the model now holds the last committed weights
     wall = time.perf_counter() - start - eval_time
     final = evaluate(model, evals, rank, world, device)
@@ -274,6 +351,7 @@ def train(args, rank, world):
         print(json.dumps({k: v for k, v in summary.items() if k != "microbatches_per_round"}), flush=True)
         if out:
             (out / "summary.json").write_text(json.dumps(summary, indent=1))
+            torch.save(model.state_dict(), out / "final.pt")  # the committed weights, to compare runs
     if world > 1:
         dist.barrier()  # no rank tears down gloo while a peer still talks to it
 

@@ -68,6 +68,7 @@ __all__ = [
     "consolidated_state_dict",
     "describe",
     "gather",
+    "latest",
     "load",
     "load_consolidated_state_dict",
     "load_state_dict",
@@ -164,12 +165,28 @@ def save(path: str, optimizer: "AccoOptimizer", *, model: Optional[torch.nn.Modu
     dcp.save(sd, checkpoint_id=tmp, process_group=group, no_dist=not dist.is_initialized())
     _barrier(group)  # every rank's slice is on disk
     if _rank0(group):
+        with open(os.path.join(tmp, COMPLETE), "w") as f:  # written last: latest() takes only folders holding it
+            f.write("every rank's slice written\n")
         if os.path.exists(path):
             shutil.rmtree(old, ignore_errors=True)
             os.rename(path, old)
         os.rename(tmp, path)
         shutil.rmtree(old, ignore_errors=True)
     _barrier(group)
+
+
+COMPLETE = ".acco-complete"
+
+
+def latest(root: str) -> Optional[str]:
+    """The newest complete checkpoint folder directly under ``root`` (by name: use zero-padded update numbers,
+    e.g. ``root/update_0000100``), or ``None``. Complete: :func:`save` wrote its marker after every rank's slice,
+    and renamed it into place; a save cut off leaves only ``*.tmp`` / ``*.old`` folders, which are skipped."""
+    if not os.path.isdir(root):
+        return None
+    done = sorted(d for d in os.listdir(root)
+                  if not d.endswith((".tmp", ".old")) and os.path.exists(os.path.join(root, d, COMPLETE)))
+    return os.path.join(root, done[-1]) if done else None
 
 
 def resolve(path: str) -> str:
