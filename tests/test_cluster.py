@@ -42,11 +42,20 @@ def _args(mode: str, ckpt: str, out: str, steps: int = 16) -> list:
             f"--out={out}", "--resume=auto", "--slow-rank=0", "--slow-factor=20"]
 
 
-def _one_host(mode: str, tmp) -> dict:
-    out = str(tmp / f"one-host-{mode}")
-    run_command([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                 *_args(mode, str(tmp / f"ck-one-{mode}"), out)], timeout=240)
-    return torch.load(os.path.join(out, "final.pt"), weights_only=True)
+@pytest.fixture(scope="module")
+def one_host(tmp_path_factory):
+    """The uninterrupted run of each mode on one host (2 ranks, --standalone): the reference."""
+    cache = {}
+
+    def get(mode: str) -> dict:
+        if mode not in cache:
+            tmp = tmp_path_factory.mktemp(f"one-host-{mode}")
+            run_command([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+                         *_args(mode, str(tmp / "ck"), str(tmp / "out"))], timeout=240)
+            cache[mode] = torch.load(os.path.join(tmp / "out", "final.pt"), weights_only=True)
+        return cache[mode]
+
+    return get
 
 
 @pytest.fixture()
@@ -60,8 +69,8 @@ def _equal(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_two_hosts_end_bit_identical_to_one_host(hosts, tmp_path):
-    reference = _one_host("acco", tmp_path)
+def test_two_hosts_end_bit_identical_to_one_host(hosts, tmp_path, one_host):
+    reference = one_host("acco")
     out = str(tmp_path / "two-hosts")
     logs = [open(tmp_path / f"h{i}.log", "w") for i in range(2)]
     agents = [H.torchrun(i, _args("acco", str(tmp_path / "ck"), out), rdzv_id="two-hosts", log=logs[i]) for i in range(2)]
@@ -75,25 +84,25 @@ def test_two_hosts_end_bit_identical_to_one_host(hosts, tmp_path):
 
 
 def _checkpoints(ckpt_dir: str) -> list:
+    """The latest complete checkpoint, as a list (empty: none yet)."""
     import acco.checkpoint
 
     latest = acco.checkpoint.latest(ckpt_dir)
     return [] if latest is None else [latest]
 
 
-@pytest.mark.parametrize("mode", ["acco", "sync"])
-def test_a_host_killed_after_a_checkpoint_restarts_and_ends_bit_identical(hosts, tmp_path, mode):
-    reference = _one_host(mode, tmp_path)
+def _kill_and_restart(tmp_path, mode: str, when, extra_args=()) -> tuple:
+    """Two hosts with --max-restarts=1; once ``when(ckpt_dir)`` holds, host 1's worker gets SIGKILL. Returns the
+    final weights, the resume record, and the report line."""
     ckpt, out = str(tmp_path / "ck"), str(tmp_path / "two-hosts")
     logs = [open(tmp_path / f"h{i}.log", "w") for i in range(2)]
-    agents = [H.torchrun(i, _args(mode, ckpt, out), max_restarts=1, rdzv_id=f"kill-{mode}", log=logs[i])
-              for i in range(2)]
+    agents = [H.torchrun(i, [*_args(mode, ckpt, out), *extra_args], max_restarts=1, rdzv_id=f"kill-{mode}",
+                         log=logs[i]) for i in range(2)]
     try:
         deadline = time.time() + 120
-        while not _checkpoints(ckpt) and time.time() < deadline:  # the first complete checkpoint
-            time.sleep(0.05)
-        assert _checkpoints(ckpt), "no checkpoint was written"
-        time.sleep(0.3)  # a few updates past it
+        while not when(ckpt) and time.time() < deadline:
+            time.sleep(0.02)
+        assert when(ckpt), "the moment to kill never came"
         victims = H.workers(agents[1])
         assert victims, "host 1 has no worker to kill"
         killed_at = time.time()
@@ -109,10 +118,35 @@ def test_a_host_killed_after_a_checkpoint_restarts_and_ends_bit_identical(hosts,
     assert resumed and first, text[-4000:]
     before_kill = text.split('{"resumed_from"')[0]
     reached = max(json.loads(m)["step"] for m in re.findall(r'^(\{"step".*\})$', before_kill, re.M))
-    print(f"\n{mode}: killed host 1's worker after update {reached} (rank 0's last log line); resumed from update "
-          f"{resumed[-1]['update']}, first resumed update {first[-1]['unix_time'] - killed_at:.1f} s after the kill; "
-          f"at least {reached - resumed[-1]['update']} update(s) recomputed")
-    assert _equal(torch.load(os.path.join(out, "final.pt"), weights_only=True), reference)
+    report = (f"{mode}: killed host 1's worker after update {reached} (rank 0's last log line); resumed from update "
+              f"{resumed[-1]['update']}, first resumed update {first[-1]['unix_time'] - killed_at:.1f} s after the "
+              f"kill; at least {reached - resumed[-1]['update']} update(s) recomputed")
+    print("\n" + report)
+    return torch.load(os.path.join(out, "final.pt"), weights_only=True), resumed[-1]
+
+
+@pytest.mark.parametrize("mode", ["acco", "sync"])
+def test_a_host_killed_after_a_checkpoint_restarts_and_ends_bit_identical(hosts, tmp_path, mode, one_host):
+    def after_first_checkpoint(ckpt):
+        if not _checkpoints(ckpt):
+            return False
+        time.sleep(0.3)  # a few updates past it
+        return True
+
+    final, resumed = _kill_and_restart(tmp_path, mode, after_first_checkpoint)
+    assert _equal(final, one_host(mode))
+
+
+def test_a_host_killed_while_saving_resumes_from_the_previous_checkpoint(hosts, tmp_path, one_host):
+    """The kill lands while the checkpoint of update 8 is being saved (each rank's write made 2 s slower), after
+    DCP wrote its .metadata but before every rank finished and the folder was marked complete and renamed: that
+    folder is not used, the run resumes from update 4 and still ends bit-identical."""
+    def saving_update_8(ckpt):
+        return os.path.exists(os.path.join(ckpt, "update_0000008.tmp", ".metadata"))
+
+    final, resumed = _kill_and_restart(tmp_path, "acco", saving_update_8, ["--slow-ckpt-write=2"])
+    assert resumed["update"] == 4, resumed
+    assert _equal(final, one_host("acco"))
 
 
 def test_shared_store_with_restarts_on_several_hosts_is_refused_naming_the_fix(hosts, tmp_path):

@@ -69,6 +69,8 @@ def parse_args(argv=None):
     p.add_argument("--ckpt-every", type=int, default=50, help="updates between checkpoints")
     p.add_argument("--ckpt-keep", type=int, default=2, help="checkpoints kept (the newest)")
     p.add_argument("--stop-at", type=int, default=-1, help="exit right after the checkpoint of this update, as if killed")
+    p.add_argument("--slow-ckpt-write", type=float, default=0.0,
+                   help="seconds each rank's checkpoint write takes longer (a slow disk: for kill-during-save tests)")
     p.add_argument("--resume", default="none",
                    help="'auto': the latest complete checkpoint in --ckpt-dir (none: start fresh); a folder; 'none'")
     args = p.parse_args(argv)
@@ -199,6 +201,19 @@ def save(args, trainer, model, gen, rank, world) -> None:
         streams = [torch.empty_like(streams[0]) for _ in range(world)]
         dist.all_gather(streams, gen.get_state())  # every rank's data position, so each resumes its own stream
     path = os.path.join(args.ckpt_dir, f"update_{trainer.started:07d}")
+    if args.slow_ckpt_write > 0:  # a slow disk: every rank's write takes this much longer
+        import torch.distributed.checkpoint as dcp
+
+        if not getattr(dcp.save, "slowed", False):
+            write = dcp.save
+
+            def slow_save(*a, **kw):
+                out = write(*a, **kw)
+                time.sleep(args.slow_ckpt_write)
+                return out
+
+            slow_save.slowed = True
+            dcp.save = slow_save
     with trainer.opt.committed_weights():  # the saved model is the committed one
         acco.checkpoint.save(path, trainer.opt, model=model,
                              extra={"update": torch.tensor(trainer.started), "data_streams": torch.stack(streams),

@@ -69,7 +69,18 @@ def plan(args: argparse.Namespace) -> List[Tuple[str, float, int]]:
     runs = [(m, lr, seed) for seed in args.seeds for m in args.methods for lr in args.lrs
             if m != "dpu" or seed in args.dpu_seeds]
     first = args.seeds[0]
-    return sorted(runs, key=lambda r: (r[0] in LATE, r[2] != first, r[2], args.methods.index(r[0]), r[1]))
+    focus = focus_lr(args)  # DDP's best LR on the first seed: its other seeds come first, the question's answer
+    return sorted(runs, key=lambda r: (r[0] in LATE, r[2] != first, r[1] != focus, r[2], args.methods.index(r[0]), r[1]))
+
+
+def focus_lr(args: argparse.Namespace) -> Optional[float]:
+    """DDP's best LR over the first seed's records (None until DDP's first seed is complete)."""
+    config = json.dumps(config_of(args), sort_keys=True)
+    first = {float(r["lr"]): r["final_val_loss"] for r in load_records(args.records)
+             if r["method"] == "ddp" and int(r["seed"]) == args.seeds[0] and json.dumps(r["config"], sort_keys=True) == config}
+    if set(first) != set(args.lrs):
+        return None
+    return min(first, key=first.get)
 
 
 def load_records(path: Path) -> List[dict]:
