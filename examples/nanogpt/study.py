@@ -47,7 +47,7 @@ BEGIN, END = "<!-- lr-study:begin (written by examples/nanogpt/study.py) -->", "
 NEAR_BEST = 0.05  # DDP is "near its best" at an LR where every seed ends within 5% of DDP's best mean
 STABLE_AFTER, STABLE_RISE = 50, 0.01  # "stable": after update 50 no held-out evaluation rises by more than 1%
 CLOSE = 0.01  # "within 1% of DDP"
-LATE = ("dpu", "acco-sync20")  # run after every seed of the others: references, not candidates for the default
+LATE = ("dpu",)  # run after every seed of the others: the uncompensated reference, not a candidate for the default
 
 
 # ----------------------------------------------------------------------------- running
@@ -64,13 +64,14 @@ def config_of(args: argparse.Namespace) -> dict:
 
 
 def plan(args: argparse.Namespace) -> List[Tuple[str, float, int]]:
-    """The runs, most informative first: the first seed of DDP, ACCO and the leading remedy, then their other
-    seeds (the comparison that decides the default), then the references (``LATE``: DPU, the other remedies)."""
+    """The runs, most informative first: once DDP's first seed has found its best LR, every seed of every
+    candidate there (the question's answer and the remedies' test); the first seed everywhere; the other seeds;
+    last the uncompensated reference (``LATE``: DPU)."""
     runs = [(m, lr, seed) for seed in args.seeds for m in args.methods for lr in args.lrs
             if m != "dpu" or seed in args.dpu_seeds]
     first = args.seeds[0]
     focus = focus_lr(args)  # DDP's best LR on the first seed: its other seeds come first, the question's answer
-    return sorted(runs, key=lambda r: (r[0] in LATE, r[2] != first, r[1] != focus, r[2], args.methods.index(r[0]), r[1]))
+    return sorted(runs, key=lambda r: (r[0] in LATE, r[1] != focus, r[2] != first, r[2], args.methods.index(r[0]), r[1]))
 
 
 def focus_lr(args: argparse.Namespace) -> Optional[float]:
