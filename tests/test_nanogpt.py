@@ -69,5 +69,24 @@ def test_readme_states_the_port_diff_size():
                if line[:1] in "+-" and not line.startswith(("+++", "---"))]
     added, removed = sum(x.startswith("+") for x in changed), sum(x.startswith("-") for x in changed)
     readme = open(os.path.join(HERE, "..", "README.md")).read()
+    porting = open(os.path.join(HERE, "..", "docs", "porting.md")).read()
     assert f"{added} lines added and {removed} removed" in readme, (added, removed)
+    assert f"{added} lines added and {removed} removed" in porting, (added, removed)
     assert f"{added + removed} lines ({added} added, {removed} removed)" in readme, (added, removed)
+
+
+def test_porting_guide_states_the_size_of_its_nanogpt_diff():
+    """Check docs/porting.md's figures for its diff against karpathy/nanoGPT's train.py are that diff's."""
+    import re
+
+    porting = open(os.path.join(HERE, "..", "docs", "porting.md")).read()
+    diff = re.search(r"```diff\n(.*?)```", porting, re.S).group(1).splitlines()
+    added = [x for x in diff if x.startswith("+") and not x.startswith("+++")]
+    removed = [x for x in diff if x.startswith("-") and not x.startswith("---")]
+    quiet = [x for x in removed if not x[1:].strip() or x[1:].strip().startswith("#")]
+    assert any("acco.AccoOptimizer.from_optimizer" in x for x in added)
+    assert any("acco.checkpoint.gather" in x for x in added)
+    stated = f"**{len(added)} lines added, {len(removed)} removed** (of the removed, {len(quiet) - 1} are comments and 1"
+    assert stated in porting, (len(added), len(removed), len(quiet))
+    assert f"diff ({len(added)} lines added, {len(removed)} removed, {len(quiet)} of them comments or blank)" in \
+        open(os.path.join(HERE, "..", "README.md")).read().replace("\n  ", " ")
