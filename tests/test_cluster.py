@@ -4,7 +4,8 @@ c10d rendezvous at the first host's address, training ``examples/gpt/train.py`` 
 * the two-host run ends bit-identical to the same world size on one host;
 * a host's worker killed with SIGKILL after a checkpoint: torchrun (``--max-restarts=1``) restarts both hosts'
   workers, they resume from the latest complete checkpoint (``--resume auto``) and end bit-identical to the
-  uninterrupted run, in modes acco and sync; the recovery time and the updates recomputed are printed.
+  uninterrupted run, in modes acco and sync; the recovery time and the updates recomputed are printed;
+* the same kill while a checkpoint is being saved: the run resumes from the previous one.
 
 Needs root (network namespaces): without it the tests skip with the reason, except under ``CI=true``, where a
 skip is a failure (CI must run them).
@@ -35,11 +36,11 @@ pytestmark = pytest.mark.skipif(WHY is not None, reason=WHY or "")
 
 
 def _args(mode: str, ckpt: str, out: str, steps: int = 16) -> list:
-    # rank 0 sleeps 19x its compute after each micro-batch (--slow-rank: numerics unchanged, one micro-batch per
+    # rank 0 sleeps 9x its compute after each micro-batch (--slow-rank: numerics unchanged, one micro-batch per
     # rank and round) so the run lasts long enough to be killed mid-way
     return [TRAIN, f"--optimizer={mode}", f"--steps={steps}", "--batch=4", "--seq-len=32", "--d-model=32", "--layers=1",
             "--eval-every=8", "--log-every=2", "--no-progress", f"--ckpt-dir={ckpt}", "--ckpt-every=4",
-            f"--out={out}", "--resume=auto", "--slow-rank=0", "--slow-factor=20"]
+            f"--out={out}", "--resume=auto", "--slow-rank=0", "--slow-factor=10"]
 
 
 @pytest.fixture(scope="module")
@@ -147,19 +148,3 @@ def test_a_host_killed_while_saving_resumes_from_the_previous_checkpoint(hosts, 
     final, resumed = _kill_and_restart(tmp_path, "acco", saving_update_8, ["--slow-ckpt-write=2"])
     assert resumed["update"] == 4, resumed
     assert _equal(final, one_host("acco"))
-
-
-def test_shared_store_with_restarts_on_several_hosts_is_refused_naming_the_fix(hosts, tmp_path):
-    """Without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1, a host's failure would leave the restarted workers waiting
-    for each other (different restart counts): acco.init_process_group refuses at start-up, naming the fix."""
-    logs = [open(tmp_path / f"h{i}.log", "w") for i in range(2)]
-    agents = [H.torchrun(i, _args("acco", str(tmp_path / "ck"), str(tmp_path / "out"), steps=2), max_restarts=1,
-                         rdzv_id="shared", extra_env={"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "0"}, log=logs[i])
-              for i in range(2)]
-    try:
-        H.wait_all(agents, 180)
-    finally:
-        H.kill_all(agents)
-    text = "".join((tmp_path / f"h{i}.log").read_text() for i in range(2))
-    assert all(a.returncode != 0 for a in agents)
-    assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in text and "different restart counts" in text, text[-3000:]

@@ -315,3 +315,17 @@ def test_consolidated_state_of_another_model_is_refused():
         opt.load_consolidated_state_dict(plain.state_dict())
     assert torch.equal(opt._flat.master, master) and not opt.local_optimizer.state
     opt.finish()
+
+
+def test_shared_store_with_restarts_on_several_hosts_is_refused_naming_the_fix(monkeypatch):
+    """Under torchrun with several hosts, --max-restarts and the agent's shared store, a host's failure would
+    leave the restarted workers waiting for each other (their restart counts differ): refused before any
+    connection, naming TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 (tests/test_cluster.py runs the fixed set-up)."""
+    import acco
+
+    for key, value in {"TORCHELASTIC_USE_AGENT_STORE": "True", "TORCHELASTIC_MAX_RESTARTS": "1",
+                       "GROUP_WORLD_SIZE": "2", "RANK": "0", "WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": "1"}.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(RuntimeError, match="different restart counts.*TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
+        acco.init_process_group("gloo")

@@ -79,7 +79,10 @@ def test_progress_round_trips_through_its_tensor():
         for name in ("num_rounds", "num_updates", "num_skipped_updates", "commits_handed_off", "holds_estimate"):
             assert getattr(dst, name) == getattr(src, name), name
         assert int(dst.committed_mb) == int(src.committed_mb)
-        assert dst.microbatches_per_update == (src.microbatches_per_update or 4)  # 0 saved: keep the configured one
+        assert dst.microbatches_per_update == 4  # configured: kept (a different saved one is refused before, or allowed)
+        learned = Progress(torch.zeros((), dtype=torch.float64), microbatches_per_update=None)
+        learned.load_tensor(saved)
+        assert learned.microbatches_per_update == src.microbatches_per_update  # not configured: the saved one
         assert dst.pending is (RoundKind.COMMIT if src.pending is RoundKind.COMMIT else None)
         assert (dst.mb_in_update, dst.in_accum, dst.since_handoff, dst.estimate_in_update, dst.at_boundary) == (
             0, 0, 0, False, True)
