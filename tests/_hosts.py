@@ -77,16 +77,18 @@ def wait_all(procs: List[subprocess.Popen], timeout: float) -> None:
         try:
             p.wait(timeout=max(1.0, deadline - time.time()))
         except subprocess.TimeoutExpired:
-            for q in procs:
-                try:
-                    os.killpg(q.pid, signal.SIGKILL)
-                except ProcessLookupError:
-                    pass
+            kill_all(procs)
             raise AssertionError(f"torchrun did not finish in {timeout:.0f} s") from None
 
 
 def kill_all(procs: List[subprocess.Popen]) -> None:
+    """The agents and their workers (torchrun starts workers in sessions of their own: killed one by one)."""
     for q in procs:
+        for pid in workers(q):
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
         try:
             os.killpg(q.pid, signal.SIGKILL)
         except ProcessLookupError:

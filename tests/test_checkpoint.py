@@ -201,7 +201,7 @@ def _shrink_save_worker(rank, world, mode, path):
     return flat(model)
 
 
-@pytest.mark.parametrize("mode", ["acco", "sync"])
+@pytest.mark.parametrize("mode", ["acco"])
 def test_shrink_to_one_rank_with_twice_the_microbatches_continues_the_run(tmp_path, mode):
     """2 ranks x 2 micro-batches, checkpoint, then 1 rank x 4 micro-batches of the same blocks (the first half
     of an update is micro-batch 0 of both ranks, as on 2 ranks): the run ends where the 2-rank run ends."""

@@ -1,10 +1,10 @@
 """Runs on two hosts: two network namespaces joined by a veth pair, each running ``torchrun --nnodes=2`` with a
 c10d rendezvous at the first host's address, training ``examples/gpt/train.py`` with checkpoints.
 
-* the two-host run ends bit-identical to the same world size on one host;
 * a host's worker killed with SIGKILL after a checkpoint: torchrun (``--max-restarts=1``) restarts both hosts'
   workers, they resume from the latest complete checkpoint (``--resume auto``) and end bit-identical to the
-  uninterrupted run, in modes acco and sync; the recovery time and the updates recomputed are printed;
+  uninterrupted run of the same world size on one host, in modes acco and sync (so the two-host run itself is
+  bit-identical to the one-host run); the recovery time and the updates recomputed are printed;
 * the same kill while a checkpoint is being saved: the run resumes from the previous one.
 
 Needs root (network namespaces): without it the tests skip with the reason, except under ``CI=true``, where a
@@ -68,20 +68,6 @@ def hosts():
 
 def _equal(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
-def test_two_hosts_end_bit_identical_to_one_host(hosts, tmp_path, one_host):
-    reference = one_host("acco")
-    out = str(tmp_path / "two-hosts")
-    logs = [open(tmp_path / f"h{i}.log", "w") for i in range(2)]
-    agents = [H.torchrun(i, _args("acco", str(tmp_path / "ck"), out), rdzv_id="two-hosts", log=logs[i]) for i in range(2)]
-    try:
-        H.wait_all(agents, 180)
-    finally:
-        H.kill_all(agents)
-    text = "".join((tmp_path / f"h{i}.log").read_text() for i in range(2))
-    assert [a.returncode for a in agents] == [0, 0], text[-4000:]
-    assert _equal(torch.load(os.path.join(out, "final.pt"), weights_only=True), reference)
 
 
 def _checkpoints(ckpt_dir: str) -> list:
