@@ -97,8 +97,11 @@ def test_damaged_checkpoint_is_refused_and_changes_nothing(saved, how):
     _damage(path, how, master)
     model, opt = _victim()
     before = _everything(model, opt)
-    with pytest.raises(CheckpointError, match="Nothing was loaded"):
+    with pytest.raises(CheckpointError, match="Nothing was loaded") as info:
         acco.checkpoint.load(str(path), opt, model=model)
+    message = str(info.value)
+    assert message.startswith(f"acco.checkpoint.load({str(path)!r}): ") and "Traceback" not in message, message
+    assert len(message) < 1200, message  # what is wrong, not DCP's tracebacks (those are in __cause__)
     assert _same(before, _everything(model, opt))
     _train(model, opt, 1, seed=3)  # and it still trains
     opt.finish()

@@ -189,6 +189,20 @@ def latest(root: str) -> Optional[str]:
     return os.path.join(root, done[-1]) if done else None
 
 
+def _dcp_cause(exc: BaseException) -> str:
+    """The first line of what each rank's DCP failure says, without DCP's tracebacks (they are in the cause)."""
+    failures = getattr(exc, "failures", None)
+    if isinstance(failures, dict) and failures:
+        parts = []
+        for rank, failure in sorted(failures.items()):
+            inner = failure[0] if isinstance(failure, tuple) else failure
+            first = (str(inner).strip().splitlines() or [""])[0][:200]
+            parts.append(f"rank {rank}: {type(inner).__name__}: {first}")
+        return "; ".join(parts)
+    first = (str(exc).strip().splitlines() or [""])[0][:300]
+    return f"{type(exc).__name__}: {first}"
+
+
 def resolve(path: str) -> str:
     """The checkpoint to read: ``PATH``, or ``PATH.old`` if a save was cut off between its renames."""
     if os.path.exists(os.path.join(path, ".metadata")):
@@ -221,8 +235,9 @@ def load(path: str, optimizer: "AccoOptimizer", *, model: Optional[torch.nn.Modu
             dcp.load(sd, checkpoint_id=path, process_group=optimizer.process_group, no_dist=no_dist)
         except (Exception, CheckpointException) as exc:  # DCP's own errors say little of what to do
             raise CheckpointError(
-                f"{where}: the checkpoint cannot be read ({type(exc).__name__}: {str(exc)[:500]}); a file may be "
-                "missing or truncated. Nothing was loaded (the optimizer and the model are unchanged)."
+                f"{where}: the checkpoint's files cannot be read: a file is missing, truncated or damaged "
+                f"({_dcp_cause(exc)}). Nothing was loaded (the optimizer and the model are unchanged); use "
+                "another checkpoint (acco.checkpoint.latest(folder) picks the newest complete one)."
             ) from exc
 
     try:
