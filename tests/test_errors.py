@@ -329,3 +329,67 @@ def test_shared_store_with_restarts_on_several_hosts_is_refused_naming_the_fix(m
         monkeypatch.setenv(key, value)
     with pytest.raises(RuntimeError, match="different restart counts.*TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1"):
         acco.init_process_group("gloo")
+
+
+def _different_calls_worker(rank, world):
+    """Rank 0 calls finish(), rank 1 load_state_dict(): both must raise, naming both calls."""
+    from tinynet import make_model
+
+    from acco import AccoOptimizer
+
+    model = make_model()
+    opt = AccoOptimizer(model.parameters(), microbatches_per_update=2, lr=1e-2)
+    for m in range(2):
+        model(torch.randn(3, 5)).pow(2).mean().backward()
+    opt.step()
+    sd = opt.state_dict()
+    try:
+        if rank == 0:
+            opt.finish()
+        else:
+            opt.load_state_dict(sd)
+    except RuntimeError as exc:
+        return str(exc)
+    return "no error"
+
+
+def test_ranks_in_different_collective_calls_raise_on_every_rank_naming_both():
+    from _dist import run_ranks
+
+    for msg in run_ranks(_different_calls_worker, 2):
+        assert "different collective calls (rank 0 in finish(), rank 1 in load_state_dict()" in msg, msg
+        assert "on every rank" in msg, msg
+
+
+def _one_rank_only_worker(rank, world):
+    """Rank 0 calls acco.checkpoint.gather() on a group whose timeout is 3 s; rank 1 does not: rank 0 gets acco's
+    message, not gloo's alone."""
+    import datetime
+    import time
+
+    import torch.distributed as dist
+    from tinynet import make_model
+
+    import acco.checkpoint
+    from acco import AccoOptimizer
+
+    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=3))
+    model = make_model()
+    opt = AccoOptimizer(model.parameters(), process_group=group, microbatches_per_update=2, lr=1e-2)
+    out = "no error"
+    if rank == 0:
+        try:
+            acco.checkpoint.gather(opt, model=model)
+        except RuntimeError as exc:
+            out = str(exc)
+    else:
+        time.sleep(6)
+    return out
+
+
+def test_a_collective_call_made_on_one_rank_only_says_so():
+    from _dist import run_ranks
+
+    msg = run_ranks(_one_rank_only_worker, 2, may_die={1})[0]
+    assert msg.startswith("AccoOptimizer acco.checkpoint.gather(): waiting for the other ranks failed"), msg
+    assert "every rank must make this call at the same point" in msg, msg

@@ -65,19 +65,48 @@ def fingerprints(opt: Any) -> List[Tuple[str, Any]]:
     ]
 
 
-def all_gather_row(group: dist.ProcessGroup, row: List[int], device: torch.device) -> List[List[int]]:
-    """Every rank's ``row`` of ints, in rank order. Collective on ``group``."""
-    mine = torch.tensor(row, dtype=torch.int64, device=device)
+COLLECTIVE_CALLS = ("AccoOptimizer(...) construction", "step() (the first update)", "finish()",
+                    "load_state_dict() / acco.checkpoint.load()", "acco.checkpoint.save()", "acco.checkpoint.gather()")
+
+
+def _gather(group: dist.ProcessGroup, mine: torch.Tensor, call: str) -> List[torch.Tensor]:
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
-    dist.all_gather(everyone, mine, group=group)
-    return [t.tolist() for t in everyone]
+    try:
+        dist.all_gather(everyone, mine, group=group)  # every rank's tensor of ints, on the user's group
+    except RuntimeError as exc:  # gloo's "Timed out waiting ...", "Connection closed by peer": with acco's context
+        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        raise RuntimeError(
+            f"AccoOptimizer {call}: waiting for the other ranks failed ({first}). {call} is collective: every rank "
+            "must make this call at the same point of the loop. A rank that never makes it, or is in another "
+            "collective, leaves the others waiting until the process group's timeout; or a peer died."
+        ) from exc
+    return everyone
+
+
+def all_gather_row(group: dist.ProcessGroup, row: List[int], device: torch.device, call: str) -> List[List[int]]:
+    """Every rank's ``row`` of ints, in rank order. Collective on ``group``.
+
+    ``call`` (one of :data:`COLLECTIVE_CALLS`) names the public call this is part of: a header of the call and
+    the row's length is gathered first, so ranks in different calls (``finish()`` on one, ``load_state_dict()``
+    on another) raise on every rank, naming both, instead of pairing unrelated collectives."""
+    header = torch.tensor([COLLECTIVE_CALLS.index(call), len(row)], dtype=torch.int64, device=device)
+    headers = [h.tolist() for h in _gather(group, header, call)]
+    if len({tuple(h) for h in headers}) > 1:
+        where = ", ".join(f"rank {r} in {COLLECTIVE_CALLS[h[0]]}" for r, h in enumerate(headers))
+        raise RuntimeError(
+            f"AccoOptimizer: the ranks are in different collective calls ({where}). Construction, step(), "
+            "finish(), load_state_dict() and acco.checkpoint.save/load/gather must be called on every rank, at "
+            "the same point of the loop."
+        )
+    mine = torch.tensor(row, dtype=torch.int64, device=device)
+    return [t.tolist() for t in _gather(group, mine, call)]
 
 
 def check_same_model(group: dist.ProcessGroup, fields: Sequence[Tuple[str, Any]], numel: int, ntensors: int,
                      device: torch.device) -> None:
     """All-gather digests of ``fields`` ((what, value) pairs); raise on every rank if any differ. Collective."""
     row = [ntensors, numel] + [digest(repr(value)) for _, value in fields]
-    rows = all_gather_row(group, row, device)
+    rows = all_gather_row(group, row, device, "AccoOptimizer(...) construction")
     if any(r != rows[0] for r in rows):
         differ = [what for i, (what, _) in enumerate(fields) if len({r[i + 2] for r in rows}) > 1]
         detail = "; ".join(f"rank {i}: {r[0]} tensors, {r[1]} elements" for i, r in enumerate(rows))
@@ -119,7 +148,7 @@ def check_same_round_count(group: Optional[dist.ProcessGroup], num_rounds: int, 
     """Raise on every rank if the ranks handed off different numbers of rounds. Collective."""
     if group is None:
         return
-    counts = [row[0] for row in all_gather_row(group, [num_rounds], device)]
+    counts = [row[0] for row in all_gather_row(group, [num_rounds], device, "finish()")]
     if len(set(counts)) > 1:
         raise RuntimeError(
             f"AccoOptimizer.finish(): the ranks handed off different numbers of rounds {counts} "

@@ -40,6 +40,7 @@ from typing import TYPE_CHECKING, Any, Dict, Optional
 import torch
 import torch.distributed as dist
 
+from .agreement import all_gather_row
 from .checksums import CheckpointError, checksums, replicated_only, verify
 from .shard_state import (
     FORMAT_VERSION,
@@ -111,6 +112,7 @@ def gather(optimizer: "AccoOptimizer", *, model: Optional[torch.nn.Module] = Non
     others ``None``. Call it at an update boundary, on every rank; for another world size at load, use
     :func:`save`/:func:`load` (DCP) instead.
     """
+    _same_call(optimizer, "acco.checkpoint.gather()")
     group = optimizer.process_group
     own = _cpu_copy(state_dict(optimizer))  # waits for the in-flight commit, as state_dict() does
     if group is None:
@@ -133,6 +135,12 @@ def gather(optimizer: "AccoOptimizer", *, model: Optional[torch.nn.Module] = Non
 # ------------------------------------------------------------- files (DCP)
 
 
+def _same_call(optimizer: "AccoOptimizer", call: str) -> None:
+    """Before a checkpoint call's first collective: every rank is in this call (else all raise, naming the calls)."""
+    if optimizer.process_group is not None and dist.is_initialized():
+        all_gather_row(optimizer.process_group, [0], optimizer.device, call)
+
+
 def _rank0(group) -> bool:
     return not dist.is_initialized() or dist.get_rank(group) == 0
 
@@ -153,6 +161,7 @@ def save(path: str, optimizer: "AccoOptimizer", *, model: Optional[torch.nn.Modu
     """
     import torch.distributed.checkpoint as dcp
 
+    _same_call(optimizer, "acco.checkpoint.save()")
     group = optimizer.process_group
     sd: Dict[str, Any] = {"optim": state_dict(optimizer, sharded=True), "extra": dict(extra or {})}
     if model is not None:
@@ -226,6 +235,7 @@ def load(path: str, optimizer: "AccoOptimizer", *, model: Optional[torch.nn.Modu
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
+    _same_call(optimizer, "load_state_dict() / acco.checkpoint.load()")
     path = resolve(path)
     where = f"acco.checkpoint.load({path!r})"
     no_dist = not dist.is_initialized()

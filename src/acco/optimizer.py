@@ -294,9 +294,10 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ checks
 
-    def _all_gather_row(self, row: List[int]) -> List[List[int]]:
-        """Every rank's ``row`` of ints, in rank order. Collective on the user's group."""
-        return agreement.all_gather_row(self._group, row, self._params[0].device)
+    def _all_gather_row(self, row: List[int], call: str) -> List[List[int]]:
+        """Every rank's ``row`` of ints, in rank order, as part of public call ``call``. Collective on the user's
+        group."""
+        return agreement.all_gather_row(self._group, row, self._params[0].device, call)
 
     def _check_open(self) -> None:
         self._driver.check_not_failed()

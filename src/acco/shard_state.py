@@ -187,7 +187,8 @@ def _agree(opt: "AccoOptimizer", error: Optional[BaseException]) -> None:
         if error is not None:
             raise error
         return
-    refused = [r for r, row in enumerate(all_gather_row(opt.process_group, [int(error is not None)], opt.device))
+    refused = [r for r, row in enumerate(all_gather_row(opt.process_group, [int(error is not None)], opt.device,
+                                                                "load_state_dict() / acco.checkpoint.load()"))
                if row[0]]
     if error is not None:
         raise error
