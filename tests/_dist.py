@@ -1,7 +1,7 @@
 """Spawn helper for multi-rank CPU tests: gloo over a FileStore, with timeouts.
 
 ``run_ranks(fn, world_size, *args)`` runs ``fn(rank, world_size, *args)`` in
-``world_size`` fresh processes and returns their results in rank order. A rank
+``world_size`` fresh processes (forked from a server that imported torch) and returns their results in rank order. A rank
 that raises makes the call fail at once with that rank's traceback (the others
 are killed); a run that outlives ``timeout`` is killed and fails. A bug shows as
 a failure, never as a hang.
@@ -26,6 +26,12 @@ import torch
 DEFAULT_TIMEOUT = float(os.environ.get("ACCO_TEST_TIMEOUT", "180"))
 PG_TIMEOUT = datetime.timedelta(seconds=60)
 
+# Ranks are forked from one server process that imported torch once (a spawned rank spends seconds importing
+# it, a hundred times a suite). Each rank is still a fresh process: nothing of a test's parent state reaches it,
+# and the server runs no threads before forking.
+_CONTEXT = mp.get_context("forkserver")
+_CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "acco"])
+
 
 def _entry(rank: int, world_size: int, init_file: str, fn: Callable, args: tuple, results: Any) -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
@@ -48,7 +54,7 @@ def _entry(rank: int, world_size: int, init_file: str, fn: Callable, args: tuple
 def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT,
               may_die: Sequence[int] = ()) -> List[Any]:
     """``may_die``: ranks whose process may end without a result (a fault test's victim): their result is None."""
-    ctx = mp.get_context("spawn")
+    ctx = _CONTEXT
     results = ctx.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "store")

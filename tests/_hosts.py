@@ -50,9 +50,10 @@ def up() -> None:
 
 
 def torchrun(host: int, script: List[str], *, nnodes: str = "2", max_restarts: int = 0, rdzv_id: str = "acco-test",
-             port: int = 29611, extra_env: Optional[Dict[str, str]] = None, log=None) -> subprocess.Popen:
-    """``torchrun`` on host ``host``: one worker, c10d rendezvous at host 0's address. Its own session (killed
-    with its workers on a timeout)."""
+             port: int = 29611, extra_env: Optional[Dict[str, str]] = None, rdzv_conf: str = "",
+             log=None) -> subprocess.Popen:
+    """``torchrun`` on host ``host``: one worker, c10d rendezvous at host 0's address (``rdzv_conf``: more
+    ``key=value,...`` settings of it). Its own session (killed with its workers on a timeout)."""
     # TORCH_DISABLE_SHARE_RDZV_TCP_STORE: each rendezvous round gets a fresh store (docs/cluster.md)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "GLOO_SOCKET_IFNAME": IFACES[host],
            "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1", **(extra_env or {})}
@@ -60,7 +61,8 @@ def torchrun(host: int, script: List[str], *, nnodes: str = "2", max_restarts: i
            f"--nnodes={nnodes}", "--nproc-per-node=1", f"--max-restarts={max_restarts}",
            "--rdzv-backend=c10d", f"--rdzv-endpoint={ADDRS[0]}:{port}", f"--rdzv-id={rdzv_id}",
            # is_host: inside a namespace torchrun cannot tell that the endpoint is its own address
-           f"--rdzv-conf=is_host={int(host == 0)}", f"--local-addr={ADDRS[host]}", "--monitor-interval=0.5", *script]
+           f"--rdzv-conf=is_host={int(host == 0)}" + (f",{rdzv_conf}" if rdzv_conf else ""),
+           f"--local-addr={ADDRS[host]}", "--monitor-interval=0.5", *script]
     return subprocess.Popen(cmd, env=env, stdout=log or subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
                             start_new_session=True)
 

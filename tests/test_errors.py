@@ -362,34 +362,35 @@ def test_ranks_in_different_collective_calls_raise_on_every_rank_naming_both():
 
 
 def _one_rank_only_worker(rank, world):
-    """Rank 0 calls acco.checkpoint.gather() on a group whose timeout is 3 s; rank 1 does not: rank 0 gets acco's
-    message, not gloo's alone."""
+    """Rank 0 calls acco.checkpoint.gather() with the optimizer's timeout at 2 s (the process group's is gloo's
+    default, 30 min); rank 1 does not, and stays alive for 10 s: rank 0 gets acco's message within the
+    optimizer's timeout, not gloo's alone at the process group's (or when rank 1 leaves)."""
     import datetime
     import time
 
-    import torch.distributed as dist
     from tinynet import make_model
 
     import acco.checkpoint
     from acco import AccoOptimizer
 
-    group = dist.new_group(backend="gloo", timeout=datetime.timedelta(seconds=3))
     model = make_model()
-    opt = AccoOptimizer(model.parameters(), process_group=group, microbatches_per_update=2, lr=1e-2)
-    out = "no error"
+    opt = AccoOptimizer(model.parameters(), microbatches_per_update=2, lr=1e-2, timeout=datetime.timedelta(seconds=2))
+    out = ("no error", 0.0)
     if rank == 0:
+        start = time.monotonic()
         try:
             acco.checkpoint.gather(opt, model=model)
         except RuntimeError as exc:
-            out = str(exc)
+            out = (str(exc), time.monotonic() - start)
     else:
-        time.sleep(6)
+        time.sleep(10)
     return out
 
 
 def test_a_collective_call_made_on_one_rank_only_says_so():
     from _dist import run_ranks
 
-    msg = run_ranks(_one_rank_only_worker, 2, may_die={1})[0]
+    msg, waited = run_ranks(_one_rank_only_worker, 2, may_die={1})[0]
+    assert waited < 10, f"rank 0 waited {waited:.0f} s: until rank 1 left, not the optimizer's 2 s timeout"
     assert msg.startswith("AccoOptimizer acco.checkpoint.gather(): waiting for the other ranks failed"), msg
     assert "every rank must make this call at the same point" in msg, msg

@@ -56,6 +56,9 @@ def parse_args(argv=None):
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--max-microbatches", type=int, default=1,
                    help="ACCO modes: micro-batches a rank may accumulate while a round is in flight (0: no bound)")
+    p.add_argument("--global-microbatches", type=int, default=0,
+                   help="ACCO modes: micro-batches per round over all ranks, kept when the number of ranks changes "
+                        "(each rank takes exactly this / ranks: an elastic job keeps its global batch; 0: off)")
     p.add_argument("--slow-rank", type=int, default=-1, help="this rank is made slower (heterogeneous hardware)")
     p.add_argument("--slow-factor", type=float, default=2.0, help="slow rank's compute time multiplier (by sleeping)")
     p.add_argument("--eval-every", type=int, default=50)
@@ -70,7 +73,8 @@ def parse_args(argv=None):
     p.add_argument("--ckpt-keep", type=int, default=2, help="checkpoints kept (the newest)")
     p.add_argument("--stop-at", type=int, default=-1, help="exit right after the checkpoint of this update, as if killed")
     p.add_argument("--slow-ckpt-write", type=float, default=0.0,
-                   help="seconds each rank's checkpoint write takes longer (a slow disk: for kill-during-save tests)")
+                   help="seconds each rank's checkpoint write takes longer, until a resume (a slow disk that the "
+                        "kill-during-save tests kill into; the resumed run writes at full speed)")
     p.add_argument("--resume", default="none",
                    help="'auto': the latest complete checkpoint in --ckpt-dir (none: start fresh); a folder; 'none'")
     args = p.parse_args(argv)
@@ -78,6 +82,10 @@ def parse_args(argv=None):
         p.error("--ckpt-dir/--resume: checkpoints are written with acco.checkpoint (modes acco, dpu, sync)")
     if args.resume == "auto" and not args.ckpt_dir:
         p.error("--resume auto looks in --ckpt-dir: give it")
+    if args.global_microbatches and args.optimizer == "torch-zero":
+        p.error("--global-microbatches: ACCO modes only (acco, dpu, sync)")
+    if args.global_microbatches < 0:
+        p.error(f"--global-microbatches must be >= 0, got {args.global_microbatches}")
     return args
 
 
@@ -122,9 +130,14 @@ class Trainer:
             self.updates_done = 0
         else:
             self.net = model
-            max_mb = args.max_microbatches or None
+            min_mb, max_mb = 1, args.max_microbatches or None
+            if args.global_microbatches:
+                if args.global_microbatches % world:
+                    raise SystemExit(f"--global-microbatches {args.global_microbatches} does not divide among "
+                                     f"{world} ranks: give a multiple of every world size the job may run at")
+                min_mb = max_mb = args.global_microbatches // world  # each round: exactly this many per rank
             self.opt = AccoOptimizer(groups, torch.optim.AdamW, mode=args.optimizer, accumulate_while_communicating=True,
-                                     max_microbatches=max_mb, **kw)
+                                     min_microbatches=min_mb, max_microbatches=max_mb, **kw)
             self.micro = args.batch // 2 if args.optimizer == "acco" else args.batch
         if self.micro < 1:
             raise SystemExit(f"--batch {args.batch} is too small for {args.optimizer}")
@@ -276,6 +289,8 @@ def train(args, rank, world):
     trainer = Trainer(model, args, world)
     gen = torch.Generator().manual_seed(args.seed * 1000 + rank)  # each rank its own data stream
     resumed_from = resume(args, trainer, model, gen, rank, world)
+    if resumed_from is not None:
+        args.slow_ckpt_write = 0.0  # --slow-ckpt-write: the first attempt only
 
     out = Path(args.out) if args.out and rank == 0 else None
     if out:

@@ -10,7 +10,7 @@ alike, so no rank is left waiting in a collective the others skipped.
 from __future__ import annotations
 
 import hashlib
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -78,7 +78,7 @@ def _gather(group: dist.ProcessGroup, mine: torch.Tensor, call: str) -> List[tor
         raise RuntimeError(
             f"AccoOptimizer {call}: waiting for the other ranks failed ({first}). {call} is collective: every rank "
             "must make this call at the same point of the loop. A rank that never makes it, or is in another "
-            "collective, leaves the others waiting until the process group's timeout; or a peer died."
+            "collective, leaves the others waiting until the optimizer's ``timeout`` (without one, the process group's); or a peer died."
         ) from exc
     return everyone
 
@@ -144,11 +144,10 @@ def sync_buffers(buffers: Sequence[torch.Tensor], group: Optional[dist.ProcessGr
             torch._foreach_copy_(same, [f.view_as(t) for f, t in zip(flat.split([t.numel() for t in same]), same)])
 
 
-def check_same_round_count(group: Optional[dist.ProcessGroup], num_rounds: int, device: torch.device) -> None:
-    """Raise on every rank if the ranks handed off different numbers of rounds. Collective."""
-    if group is None:
-        return
-    counts = [row[0] for row in all_gather_row(group, [num_rounds], device, "finish()")]
+def check_same_round_count(gather_row: Callable[[List[int], str], List[List[int]]], num_rounds: int) -> None:
+    """Raise on every rank if the ranks handed off different numbers of rounds. Collective (``gather_row``: the
+    optimizer's :meth:`~acco.AccoOptimizer._all_gather_row`)."""
+    counts = [row[0] for row in gather_row([num_rounds], "finish()")]
     if len(set(counts)) > 1:
         raise RuntimeError(
             f"AccoOptimizer.finish(): the ranks handed off different numbers of rounds {counts} "

@@ -40,7 +40,6 @@ from typing import TYPE_CHECKING, Any, Dict, Optional
 import torch
 import torch.distributed as dist
 
-from .agreement import all_gather_row
 from .checksums import CheckpointError, checksums, replicated_only, verify
 from .shard_state import (
     FORMAT_VERSION,
@@ -138,7 +137,7 @@ def gather(optimizer: "AccoOptimizer", *, model: Optional[torch.nn.Module] = Non
 def _same_call(optimizer: "AccoOptimizer", call: str) -> None:
     """Before a checkpoint call's first collective: every rank is in this call (else all raise, naming the calls)."""
     if optimizer.process_group is not None and dist.is_initialized():
-        all_gather_row(optimizer.process_group, [0], optimizer.device, call)
+        optimizer._all_gather_row([0], call)
 
 
 def _rank0(group) -> bool:

@@ -122,7 +122,11 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
             inf/NaN, counting it in ``num_skipped_updates``, or ``"raise"``
             :class:`~acco.NonFiniteGradientError`; all ranks act alike.
         timeout: how long a round's collectives wait for a peer before
-            raising (default: the process group default).
+            raising (default: the process group default). It also bounds
+            the first exchange of every public collective call (``finish()``,
+            ``load_state_dict()``, ``acco.checkpoint.save/load/gather``): a
+            call made on some ranks only raises there after ``timeout``,
+            saying every rank must make it (a small gloo group on CPU).
         buffers: the model's buffers (``model.buffers()``, e.g. BatchNorm's
             running statistics) to keep equal across ranks: broadcast from the
             group's first rank at every ``step()``, as DDP broadcasts them.
@@ -218,6 +222,16 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
                 use_local_synchronization=self._group is not dist.group.WORLD,
             )
             connect(round_group, device)  # its communicator now, from this thread, not in the first backward
+        # The agreement gathers of the public collective calls (which call every rank is in, refusals, round
+        # counts) run on the main thread. With ``timeout`` they get a small CPU (gloo) group of their own that
+        # honours it, so a call made on some ranks only fails within ``timeout``, not the process group's.
+        self._control_group, self._control_device = self._group, device
+        if self._group is not None and timeout is not None:
+            self._control_group = dist.new_group(
+                ranks=dist.get_process_group_ranks(self._group), backend="gloo", timeout=timeout,
+                use_local_synchronization=self._group is not dist.group.WORLD,
+            )
+            self._control_device = torch.device("cpu")
         self._flat = FlatBuffers(self._params, self.layout, self.rank, self.compute_dtype, self.accumulation_dtype,
                                  self.reduce_dtype,
                                  separate_grads=self.accumulate_while_communicating,
@@ -295,9 +309,9 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
     # ------------------------------------------------------------------ checks
 
     def _all_gather_row(self, row: List[int], call: str) -> List[List[int]]:
-        """Every rank's ``row`` of ints, in rank order, as part of public call ``call``. Collective on the user's
-        group."""
-        return agreement.all_gather_row(self._group, row, self._params[0].device, call)
+        """Every rank's ``row`` of ints, in rank order, as part of public call ``call``. Collective on the
+        control group (the user's group, or with ``timeout`` a gloo group that honours it)."""
+        return agreement.all_gather_row(self._control_group, row, self._control_device, call)
 
     def _check_open(self) -> None:
         self._driver.check_not_failed()
@@ -462,7 +476,8 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
             raise RuntimeError("AccoOptimizer.finish() inside opt.committed_weights(): call it after the block")
         try:
             try:
-                agreement.check_same_round_count(self._group, self.num_rounds, self._params[0].device)
+                if self._group is not None:
+                    agreement.check_same_round_count(self._all_gather_row, self.num_rounds)
             except RuntimeError as exc:  # the counts differ, or a peer is gone: no round can complete
                 self._failed = exc
                 raise

@@ -15,7 +15,6 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional
 import torch
 
 from .checksums import CheckpointError, checksums, verify
-from .agreement import all_gather_row
 from .collectives import all_gather_flat
 from .progress import Progress
 
@@ -187,8 +186,8 @@ def _agree(opt: "AccoOptimizer", error: Optional[BaseException]) -> None:
         if error is not None:
             raise error
         return
-    refused = [r for r, row in enumerate(all_gather_row(opt.process_group, [int(error is not None)], opt.device,
-                                                                "load_state_dict() / acco.checkpoint.load()"))
+    refused = [r for r, row in enumerate(opt._all_gather_row([int(error is not None)],
+                                                                    "load_state_dict() / acco.checkpoint.load()"))
                if row[0]]
     if error is not None:
         raise error
