@@ -391,6 +391,6 @@ def test_a_collective_call_made_on_one_rank_only_says_so():
     from _dist import run_ranks
 
     msg, waited = run_ranks(_one_rank_only_worker, 2, may_die={1})[0]
-    assert waited < 10, f"rank 0 waited {waited:.0f} s: until rank 1 left, not the optimizer's 2 s timeout"
+    assert waited < 6, f"rank 0 waited {waited:.0f} s: until rank 1 left (at 10 s), not the optimizer's 2 s timeout"
     assert msg.startswith("AccoOptimizer acco.checkpoint.gather(): waiting for the other ranks failed"), msg
     assert "every rank must make this call at the same point" in msg, msg
