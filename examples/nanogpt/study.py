@@ -298,7 +298,8 @@ def report_markdown(records: List[dict], s: dict) -> str:
     bounds = sorted({0, min(10, n), min(50, n), min(150, n), n})
     head = " | ".join(f"updates {lo}–{hi - 1}" for lo, hi in zip(bounds, bounds[1:]))
     lines += [f"| method, LR | {head} |", "|---|" + "---|" * (len(bounds) - 1)]
-    for lr in sorted({best, high}):
+    most = max(len(rs) for rs in t["ddp"].values())  # and every LR where DDP has its most seeds so far
+    for lr in sorted({best, high} | {lr for lr, rs in t["ddp"].items() if len(rs) == most > 1}):
         for m in methods:
             if m == "ddp" or lr not in t[m] or lr not in t["ddp"]:
                 continue
