@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import datetime
+
 import pytest
 import torch
 from torch import nn
@@ -148,6 +150,7 @@ RANK_MISMATCHES = [
     ("mode", {"mode": "dpu"}, "mode"),
     ("optimizer_class", {"optimizer_class": torch.optim.Adam}, "optimizer_class"),
     ("microbatches_per_update", {"microbatches_per_update": 4}, "microbatches_per_update"),
+    ("timeout", {"timeout": datetime.timedelta(seconds=30)}, "timeout"),  # would build a group on one rank only
 ]
 
 

@@ -61,6 +61,7 @@ def fingerprints(opt: Any) -> List[Tuple[str, Any]]:
         ("estimate_microbatches / synchronous_updates", (opt.estimate_microbatches, opt.synchronous_updates)),
         ("max_grad_norm", opt.max_grad_norm),
         ("nonfinite", opt.nonfinite),
+        ("timeout", str(opt.timeout)),  # with one, every rank builds the control group (a collective)
         ("the hyper-parameters of the param groups (lr, betas, weight_decay, ...)", hyper_fingerprint(hyper)),
     ]
 

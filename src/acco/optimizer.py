@@ -197,6 +197,7 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         self.nonfinite = nonfinite
         self.estimate_microbatches = estimate_microbatches
         self.synchronous_updates = synchronous_updates
+        self.timeout = timeout
         self._group = V.resolve_process_group(process_group)
         self.world_size = group_size(self._group)
         self.rank = group_rank(self._group)
