@@ -28,7 +28,8 @@ PG_TIMEOUT = datetime.timedelta(seconds=60)
 
 # Ranks are forked from one server process that imported torch once (a spawned rank spends seconds importing
 # it, a hundred times a suite). Each rank is still a fresh process: nothing of a test's parent state reaches it,
-# and the server runs no threads before forking.
+# and the server runs no threads before forking. The server starts at the first run_ranks() with the parent's
+# environment of that moment: a worker that needs an environment variable sets it itself.
 _CONTEXT = mp.get_context("forkserver")
 _CONTEXT.set_forkserver_preload(["torch", "torch.distributed", "acco"])
 
