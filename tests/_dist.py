@@ -1,8 +1,8 @@
 """Spawn helper for multi-rank CPU tests: gloo over a FileStore, with timeouts.
 
 ``run_ranks(fn, world_size, *args)`` runs ``fn(rank, world_size, *args)`` in
-``world_size`` fresh processes (forked from a server that imported torch) and returns their results in rank order. A rank
-that raises makes the call fail at once with that rank's traceback (the others
+``world_size`` fresh processes (forked from a server that imported torch) and
+returns their results in rank order. A rank that raises makes the call fail at once with that rank's traceback (the others
 are killed); a run that outlives ``timeout`` is killed and fails. A bug shows as
 a failure, never as a hang.
 """
@@ -55,12 +55,11 @@ def _entry(rank: int, world_size: int, init_file: str, fn: Callable, args: tuple
 def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = DEFAULT_TIMEOUT,
               may_die: Sequence[int] = ()) -> List[Any]:
     """``may_die``: ranks whose process may end without a result (a fault test's victim): their result is None."""
-    ctx = _CONTEXT
-    results = ctx.Queue()
+    results = _CONTEXT.Queue()
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "store")
         procs = [
-            ctx.Process(target=_entry, args=(r, world_size, init_file, fn, args, results), daemon=True)
+            _CONTEXT.Process(target=_entry, args=(r, world_size, init_file, fn, args, results), daemon=True)
             for r in range(world_size)
         ]
         for p in procs:

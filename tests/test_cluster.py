@@ -80,6 +80,11 @@ def _checkpoints(ckpt_dir: str) -> list:
     return [] if latest is None else [latest]
 
 
+def _records(text: str, key: str) -> list:
+    """The example's JSON lines that open with ``key`` (its resume and first-resumed-update records)."""
+    return [json.loads(m) for m in re.findall(r'^(\{"' + key + r'".*\})$', text, re.M)]
+
+
 def _kill_and_restart(tmp_path, mode: str, when, extra_args=()) -> tuple:
     """Two hosts with --max-restarts=1; once ``when(ckpt_dir)`` holds, host 1's worker gets SIGKILL. Returns the
     final weights, the resume record, and the report line."""
@@ -102,8 +107,7 @@ def _kill_and_restart(tmp_path, mode: str, when, extra_args=()) -> tuple:
         H.kill_all(agents)
     text = "".join((tmp_path / f"h{i}.log").read_text() for i in range(2))
     assert [a.returncode for a in agents] == [0, 0], text[-4000:]
-    resumed = [json.loads(m) for m in re.findall(r'^(\{"resumed_from".*\})$', text, re.M)]
-    first = [json.loads(m) for m in re.findall(r'^(\{"first_update_after_resume".*\})$', text, re.M)]
+    resumed, first = _records(text, "resumed_from"), _records(text, "first_update_after_resume")
     assert resumed and first, text[-4000:]
     before_kill = text.split('{"resumed_from"')[0]
     reached = max(json.loads(m)["step"] for m in re.findall(r'^(\{"step".*\})$', before_kill, re.M))
@@ -171,8 +175,7 @@ def test_a_host_lost_for_good_the_other_goes_on_alone_within_the_seed_spread(hos
         H.kill_all(agents)
     text = "".join((tmp_path / f"h{i}.log").read_text() for i in range(2))
     assert agents[0].returncode == 0, text[-4000:]
-    resumed = [json.loads(m) for m in re.findall(r'^(\{"resumed_from".*\})$', text, re.M)]
-    first = [json.loads(m) for m in re.findall(r'^(\{"first_update_after_resume".*\})$', text, re.M)]
+    resumed, first = _records(text, "resumed_from"), _records(text, "first_update_after_resume")
     assert resumed and first, text[-4000:]
     assert (resumed[-1]["saved_ranks"], resumed[-1]["ranks"]) == (2, 1), resumed
     summary = json.loads((tmp_path / "shrunk" / "summary.json").read_text())

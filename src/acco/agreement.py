@@ -73,13 +73,14 @@ COLLECTIVE_CALLS = ("AccoOptimizer(...) construction", "step() (the first update
 def _gather(group: dist.ProcessGroup, mine: torch.Tensor, call: str) -> List[torch.Tensor]:
     everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
     try:
-        dist.all_gather(everyone, mine, group=group)  # every rank's tensor of ints, on the user's group
+        dist.all_gather(everyone, mine, group=group)  # every rank's tensor of ints, on the optimizer's control group
     except RuntimeError as exc:  # gloo's "Timed out waiting ...", "Connection closed by peer": with acco's context
         first = (str(exc).strip().splitlines() or [""])[0][:300]
         raise RuntimeError(
             f"AccoOptimizer {call}: waiting for the other ranks failed ({first}). {call} is collective: every rank "
             "must make this call at the same point of the loop. A rank that never makes it, or is in another "
-            "collective, leaves the others waiting until the optimizer's ``timeout`` (without one, the process group's); or a peer died."
+            "collective, leaves the others waiting until the optimizer's timeout (without one, the process "
+            "group's); or a peer died."
         ) from exc
     return everyone
 

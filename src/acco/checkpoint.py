@@ -136,7 +136,7 @@ def gather(optimizer: "AccoOptimizer", *, model: Optional[torch.nn.Module] = Non
 
 def _same_call(optimizer: "AccoOptimizer", call: str) -> None:
     """Before a checkpoint call's first collective: every rank is in this call (else all raise, naming the calls)."""
-    if optimizer.process_group is not None and dist.is_initialized():
+    if dist.is_initialized():
         optimizer._all_gather_row([0], call)
 
 

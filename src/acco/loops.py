@@ -104,9 +104,7 @@ class UpdateLoop:
     def _learn_microbatches(self, m: int) -> None:
         """Mode acco without microbatches_per_update: the first update's count, the same on every rank."""
         opt = self.opt
-        counts = [m]
-        if opt.process_group is not None:
-            counts = [row[0] for row in opt._all_gather_row([m], "step() (the first update)")]
+        counts = [row[0] for row in opt._all_gather_row([m], "step() (the first update)")]
         if len(set(counts)) > 1:
             raise RuntimeError(
                 f"AccoOptimizer.step(): the ranks ran different numbers of micro-batches in the first update "

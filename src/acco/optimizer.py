@@ -311,7 +311,10 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
 
     def _all_gather_row(self, row: List[int], call: str) -> List[List[int]]:
         """Every rank's ``row`` of ints, in rank order, as part of public call ``call``. Collective on the
-        control group (the user's group, or with ``timeout`` a gloo group that honours it)."""
+        control group (the user's group, or with ``timeout`` a gloo group that honours it); without a group,
+        this process's row alone."""
+        if self._group is None:
+            return [list(row)]
         return agreement.all_gather_row(self._control_group, row, self._control_device, call)
 
     def _check_open(self) -> None:
@@ -477,8 +480,7 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
             raise RuntimeError("AccoOptimizer.finish() inside opt.committed_weights(): call it after the block")
         try:
             try:
-                if self._group is not None:
-                    agreement.check_same_round_count(self._all_gather_row, self.num_rounds)
+                agreement.check_same_round_count(self._all_gather_row, self.num_rounds)
             except RuntimeError as exc:  # the counts differ, or a peer is gone: no round can complete
                 self._failed = exc
                 raise

@@ -182,13 +182,8 @@ def check_compatible(opt: "AccoOptimizer", saved: Dict[str, Any], rank_shard: bo
 def _agree(opt: "AccoOptimizer", error: Optional[BaseException]) -> None:
     """Raise on every rank if any rank refused its state dict, before any collective of the load
     (one rank loading while another refused would leave the ranks in different collectives). Collective."""
-    if opt.process_group is None:
-        if error is not None:
-            raise error
-        return
-    refused = [r for r, row in enumerate(opt._all_gather_row([int(error is not None)],
-                                                                    "load_state_dict() / acco.checkpoint.load()"))
-               if row[0]]
+    rows = opt._all_gather_row([int(error is not None)], "load_state_dict() / acco.checkpoint.load()")
+    refused = [r for r, row in enumerate(rows) if row[0]]
     if error is not None:
         raise error
     if refused:
