@@ -31,10 +31,10 @@ demo: $(VENV)/.ready
 study: $(VENV)/.ready
 	$(PY) examples/gpt/study.py --out runs/study --steps 600 --eval-every 50
 
-## The learning-rate study of docs/convergence.md (DDP vs ACCO, 5 LRs, 3 seeds, DPU and two remedies): resumable,
-## appends to docs/convergence_data/lr_study.jsonl, then rewrites its tables and plots. On 2 cores a DDP run takes
-## about 270 s and an ACCO run 420-600 s with the machine to itself: the 35 runs the question needs (DDP and ACCO,
-## 3 seeds, DPU 1 seed) about 4 h, all 65 about 8 h. `make lr-study LR_STUDY_ARGS=--report-only` redraws.
+## The learning-rate study of docs/convergence.md (DDP vs ACCO, 5 LRs, 3 seeds; DPU 1 seed; the remedy acco-sync20
+## at 2e-3 and 4e-3): resumable, appends to docs/convergence_data/lr_study.jsonl, then rewrites its tables and
+## plots. On 2 cores a DDP run takes about 270 s and an ACCO run 420-600 s with the machine to itself: the 35 runs
+## the question needs about 4 h, all 41 about 5 h. `make lr-study LR_STUDY_ARGS=--report-only` redraws.
 lr-study: $(VENV)/.ready
 	nice -n 19 $(PY) examples/nanogpt/study.py $(LR_STUDY_ARGS)
 

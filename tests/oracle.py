@@ -98,7 +98,6 @@ def update_run(
     m: int,
     learned: bool = False,
     lr_at: Optional[Callable[[int], float]] = None,
-    h: Optional[int] = None,
     synchronous_updates: int = 0,
     estimate_dtype: Optional[torch.dtype] = None,
 ):
@@ -109,8 +108,7 @@ def update_run(
     all-reduces); an estimate extrapolates its ``h = m // 2`` micro-batches to
     ``m``. ``learned``: mode acco learned ``m`` from a first update that ran
     synchronously. ``lr_at(t)``: the learning rate of update ``t`` (a scheduler
-    stepped after each ``step()``). ``h``: micro-batches before the estimate
-    (``estimate_microbatches``; default ``m // 2``). ``synchronous_updates``: the
+    stepped after each ``step()``). ``synchronous_updates``: the
     first updates run as in mode sync (acco and dpu). ``estimate_dtype``: each
     rank's sum of its first ``h`` gradients is cast to it and the ranks' sums
     are added in it, in rank order (a ring's order for 2 ranks), and the
@@ -127,7 +125,7 @@ def update_run(
     nxt = [0] * n_ranks
     after_step: List[Tensors] = []
     committed: List[Tensors] = []
-    h = h or m // 2
+    h = m // 2  # micro-batches before the estimate's hand-off
 
     def accumulate(accum: Tensors, count: int) -> None:
         for r in range(n_ranks):

@@ -33,11 +33,9 @@ CONFIGS += [
     ("adamw/sync/m1", "adamw", "sync", 1, False, False, {}),
     ("adamw/dpu/m1", "adamw", "dpu", 1, False, False, {}),
     ("adamw/acco/m2-lambdalr", "adamw", "acco", 2, True, True, {}),  # scheduler stepped after every step()
-    ("adamw/acco/m4-estimate3", "adamw", "acco", 4, True, False, {"estimate_microbatches": 3}),  # a later hand-off
     ("adamw/acco/m2-sync2", "adamw", "acco", 2, True, False, {"synchronous_updates": 2}),  # then the overlap
     ("adamw/dpu/m2-sync2", "adamw", "dpu", 2, True, False, {"synchronous_updates": 2}),  # the paper's DPU warm-up
-    ("adamw/acco/m4-learned-estimate1-sync3", "adamw", "acco", 4, False, False,
-     {"estimate_microbatches": 1, "synchronous_updates": 3}),
+    ("adamw/acco/m4-learned-sync3", "adamw", "acco", 4, False, False, {"synchronous_updates": 3}),
     # the estimate round in bf16 (beyond the paper): compared at 2 ranks, where the ranks' bf16 sum has one order
     ("adamw/acco/m2-estimate-bf16", "adamw", "acco", 2, True, False, {"estimate_dtype": torch.bfloat16}),
     ("sgd_momentum/acco/m4-estimate-bf16", "sgd_momentum", "acco", 4, True, False, {"estimate_dtype": torch.bfloat16}),
@@ -78,8 +76,7 @@ def _worker(rank: int, world: int) -> dict:
 
         ref_steps, ref_committed, ref_final = update_run(
             theta0, lambda ps: cls(ps, **kw), mode, scaled, world, UPDATES, m, learned=not given and mode == "acco",
-            lr_at=_lr if schedule else None, h=options.get("estimate_microbatches"),
-            synchronous_updates=options.get("synchronous_updates", 0), estimate_dtype=options.get("estimate_dtype"))
+            lr_at=_lr if schedule else None, synchronous_updates=options.get("synchronous_updates", 0), estimate_dtype=options.get("estimate_dtype"))
         out[name] = {
             "step_err": max(rel_err(a, flat_list(b)) for a, b in zip(traj, ref_steps)),
             "committed_err": max(rel_err(a, flat_list(b)) for a, b in zip(committed, ref_committed)),

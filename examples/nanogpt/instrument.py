@@ -4,9 +4,8 @@
         examples/nanogpt/train_acco.py --out_dir=... [the script's --key=value settings]
 
 * ``--acco-option=KEY=VALUE``: an extra ``AccoOptimizer`` keyword argument, an
-  int or a torch dtype, e.g. ``synchronous_updates=20``,
-  ``estimate_microbatches=3`` (the study's remedies) or
-  ``compute_dtype=bfloat16``, ``reduce_dtype=float32``;
+  int or a torch dtype, e.g. ``synchronous_updates=20`` (the study's remedy)
+  or ``compute_dtype=bfloat16``, ``reduce_dtype=float32``;
 * ``--estimate-gap``: after every ``step()``, rank 0 logs ``|theta~ - theta|``
   (what the model holds, in mode acco the estimate, against the committed
   update) and ``|theta_{t+1} - theta_t|`` to ``OUT_DIR/estimate_gap.json``.

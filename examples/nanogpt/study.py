@@ -41,16 +41,15 @@ METHODS: Dict[str, Tuple[str, List[str], List[str]]] = {
     "dpu": ("train_acco.py", ["--mode=dpu"], [GAP]),
     "sync": ("train_acco.py", ["--mode=sync"], []),
     "acco-sync20": ("train_acco.py", [], [GAP, "--acco-option=synchronous_updates=20"]),
-    "acco-estimate3": ("train_acco.py", [], [GAP, "--acco-option=estimate_microbatches=3"]),
 }
 BEGIN, END = "<!-- lr-study:begin (written by examples/nanogpt/study.py) -->", "<!-- lr-study:end -->"
 NEAR_BEST = 0.05  # DDP is "near its best" at an LR where every seed ends within 5% of DDP's best mean
 STABLE_AFTER, STABLE_RISE = 50, 0.01  # "stable": after update 50 no held-out evaluation rises by more than 1%
 CLOSE = 0.01  # "within 1% of DDP"
-# Run after every seed of the others, in this order: DPU, the uncompensated reference (not a candidate for the
-# default); then acco-estimate3, which did not move ACCO's seed-0 gap at DDP's best LR (+14.3% against +14.7%)
-# where acco-sync20 halved it, so its other seeds come last.
-LATE = ("dpu", "acco-estimate3")
+# Run after every seed of the others: DPU, the uncompensated reference (not a candidate for the default).
+LATE = ("dpu",)
+# The remedies run at --remedy-lrs only: where ACCO trails DDP (DDP's best LRs), not where it is ahead.
+REMEDIES = ("acco-sync20",)
 
 
 # ----------------------------------------------------------------------------- running
@@ -69,9 +68,9 @@ def config_of(args: argparse.Namespace) -> dict:
 def plan(args: argparse.Namespace) -> List[Tuple[str, float, int]]:
     """The runs, most informative first: once DDP's first seed has found its best LR, every seed of every
     candidate there (the question's answer and the remedies' test); the first seed everywhere; the other seeds;
-    last ``LATE``: the uncompensated reference (DPU), then the remedy seed 0 did not support."""
+    last ``LATE``: the uncompensated reference (DPU)."""
     runs = [(m, lr, seed) for seed in args.seeds for m in args.methods for lr in args.lrs
-            if m != "dpu" or seed in args.dpu_seeds]
+            if (m != "dpu" or seed in args.dpu_seeds) and (m not in REMEDIES or lr in args.remedy_lrs)]
     first = args.seeds[0]
     focus = focus_lr(args)  # DDP's best LR on the first seed: its other seeds come first, the question's answer
     late = {m: i + 1 for i, m in enumerate(LATE)}
@@ -399,10 +398,12 @@ def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--records", type=Path, default=ROOT / "docs" / "convergence_data" / "lr_study.jsonl")
     p.add_argument("--doc", type=Path, default=ROOT / "docs" / "convergence.md")
-    p.add_argument("--methods", type=lambda s: s.split(","), default=["ddp", "acco", "acco-estimate3", "acco-sync20", "dpu"])
+    p.add_argument("--methods", type=lambda s: s.split(","), default=["ddp", "acco", "acco-sync20", "dpu"])
     p.add_argument("--lrs", type=lambda s: [float(x) for x in s.split(",")], default=[1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2])
     p.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[0, 1, 2])
     p.add_argument("--dpu-seeds", type=lambda s: [int(x) for x in s.split(",")], default=[0])
+    p.add_argument("--remedy-lrs", type=lambda s: [float(x) for x in s.split(",")], default=[2e-3, 4e-3],
+                   help="the LRs the remedies (%s) run at" % ", ".join(REMEDIES))
     p.add_argument("--iters", type=int, default=500)
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--min-lr-ratio", type=float, default=0.1)

@@ -135,32 +135,14 @@ def check_estimate_dtype(estimate_dtype: Any, mode: str, reduce_dtype: torch.dty
         )
 
 
-def check_delay_options(mode: str, per_update: Any, elastic: bool, estimate_microbatches: Any,
-                        synchronous_updates: Any) -> None:
-    """``estimate_microbatches`` (mode acco: micro-batches before the estimate's hand-off) and
-    ``synchronous_updates`` (the first updates without overlap); both for one ``step()`` per update."""
+def check_synchronous_updates(elastic: bool, synchronous_updates: Any) -> None:
+    """``synchronous_updates``: the first updates without overlap, for one ``step()`` per update."""
     if not isinstance(synchronous_updates, int) or isinstance(synchronous_updates, bool) or synchronous_updates < 0:
         raise ValueError(f"synchronous_updates must be an int >= 0, got {synchronous_updates!r}")
-    if estimate_microbatches is not None:
-        if not isinstance(estimate_microbatches, int) or isinstance(estimate_microbatches, bool) or estimate_microbatches < 1:
-            raise ValueError(f"estimate_microbatches must be None or an int >= 1, got {estimate_microbatches!r}")
-        if mode != "acco":
-            raise ValueError(f"estimate_microbatches applies to mode='acco' only (its estimate round), got mode={mode!r}")
-        if per_update is not None:
-            check_estimate_microbatches(estimate_microbatches, per_update)
-    if elastic and (estimate_microbatches is not None or synchronous_updates):
+    if elastic and synchronous_updates:
         raise ValueError(
-            "estimate_microbatches/synchronous_updates apply to one step() per update; with "
-            "accumulate_while_communicating=True the hand-offs follow the rounds. Drop them, or drop "
-            "accumulate_while_communicating"
-        )
-
-
-def check_estimate_microbatches(h: int, per_update: int) -> None:
-    if not 1 <= h < per_update:
-        raise ValueError(
-            f"estimate_microbatches={h} with {per_update} micro-batches per update: the estimate needs at least one "
-            f"micro-batch and the commit at least one more, so give 1 <= estimate_microbatches < {per_update}"
+            "synchronous_updates applies to one step() per update; with accumulate_while_communicating=True the "
+            "hand-offs follow the rounds. Drop it, or drop accumulate_while_communicating"
         )
 
 

@@ -58,7 +58,7 @@ def fingerprints(opt: Any) -> List[Tuple[str, Any]]:
         ("compute_dtype", str(opt.compute_dtype)),
         ("accumulation_dtype", str(opt.accumulation_dtype)),
         ("reduce_dtype / estimate_dtype", (str(opt.reduce_dtype), str(opt.estimate_dtype))),
-        ("estimate_microbatches / synchronous_updates", (opt.estimate_microbatches, opt.synchronous_updates)),
+        ("synchronous_updates", opt.synchronous_updates),
         ("max_grad_norm", opt.max_grad_norm),
         ("nonfinite", opt.nonfinite),
         ("timeout", str(opt.timeout)),  # with one, every rank builds the control group (a collective)

@@ -54,7 +54,7 @@ class UpdateLoop:
 
     def estimate_at(self, m: int) -> int:
         """The micro-batches of an update before its estimate's hand-off (the first "half")."""
-        return self.opt.estimate_microbatches or m // 2
+        return m // 2
 
     def zero_grad(self) -> None:
         """Discard the update's micro-batches so far (refused once its estimate is handed off)."""
@@ -113,8 +113,6 @@ class UpdateLoop:
             )
         if m < 2:
             raise ValueError(V.ACCO_NEEDS_TWO.format(m=m))
-        if opt.estimate_microbatches is not None:
-            V.check_estimate_microbatches(opt.estimate_microbatches, m)
         opt._progress.microbatches_per_update = m
         log.info("acco: %d micro-batches per update (learned from the first update, which ran synchronously)", m)
 

@@ -132,12 +132,6 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
             group's first rank at every ``step()``, as DDP broadcasts them.
         assume_elementwise: accept an ``optimizer_class`` that acco does not
             know to be element-wise (your own); the known ones need not.
-        estimate_microbatches: mode acco, one ``step()`` per update: how many
-            of the update's ``M`` micro-batches the estimate is taken from
-            (default ``M // 2``). A later hand-off (e.g. 3 of 4) computes more
-            of the update at the estimate, which keeps ACCO stable at higher
-            learning rates, and leaves the estimate round less compute to hide
-            behind (``docs/algorithm.md``, "Against the delay").
         synchronous_updates: the first this many updates run synchronously (no
             estimate, no overlap), as the paper warms DPU up; counted in
             committed updates, so a resumed run does not repeat them.
@@ -171,7 +165,6 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         timeout: Optional[datetime.timedelta] = None,
         buffers: Optional[Iterable[torch.Tensor]] = None,
         assume_elementwise: bool = False,
-        estimate_microbatches: Optional[int] = None,
         synchronous_updates: int = 0,
         **optimizer_kwargs: Any,
     ) -> None:
@@ -180,8 +173,7 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         V.check_handoffs(mode, microbatches_per_update, accumulate_while_communicating, min_microbatches, max_microbatches)
         V.check_clipping(max_grad_norm, nonfinite)
         V.check_timeout(timeout)
-        V.check_delay_options(mode, microbatches_per_update, accumulate_while_communicating, estimate_microbatches,
-                              synchronous_updates)
+        V.check_synchronous_updates(accumulate_while_communicating, synchronous_updates)
         groups = V.normalize_param_groups(params)
         super().__init__(groups, dict(optimizer_kwargs))
         self._params: List[torch.Tensor] = [p for g in self.param_groups for p in g["params"]]
@@ -195,7 +187,6 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         self.optimizer_class = optimizer_class
         self.max_grad_norm = max_grad_norm
         self.nonfinite = nonfinite
-        self.estimate_microbatches = estimate_microbatches
         self.synchronous_updates = synchronous_updates
         self.timeout = timeout
         self._group = V.resolve_process_group(process_group)
