@@ -60,3 +60,21 @@ def test_study_smoke_reports_what_its_records_hold(tmp_path):
     assert "0 to run" in out
     assert _cells(doc.read_text())[1e-3, "acco"] == 9.8765
     assert doc.read_text().count("lr-study:begin") == 1
+
+
+def test_the_plan_runs_each_method_where_the_study_needs_it(tmp_path):
+    """The default plan: DDP and acco at every LR and seed, DPU at seed 0, the remedy at --remedy-lrs only."""
+    sys.path.insert(0, os.path.dirname(STUDY))
+    try:
+        import study
+    finally:
+        sys.path.pop(0)
+    args = study.parse(["--records", str(tmp_path / "none.jsonl")])
+    runs = study.plan(args)
+    by_method = {m: sorted((lr, seed) for mm, lr, seed in runs if mm == m) for m in args.methods}
+    lrs, seeds = [1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2], [0, 1, 2]
+    assert by_method["ddp"] == by_method["acco"] == [(lr, s) for lr in lrs for s in seeds]
+    assert by_method["dpu"] == [(lr, 0) for lr in lrs]
+    assert by_method["acco-sync20"] == [(lr, s) for lr in (2e-3, 4e-3) for s in seeds]
+    assert len(runs) == len(set(runs)) == 41
+    assert [m for m, _, _ in runs][-5:] == ["dpu"] * 5  # the uncompensated reference runs last
