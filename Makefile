@@ -33,8 +33,8 @@ study: $(VENV)/.ready
 
 ## The learning-rate study of docs/convergence.md (DDP vs ACCO, 5 LRs, 3 seeds; DPU 1 seed; the remedy acco-sync20
 ## at 2e-3 and 4e-3): resumable, appends to docs/convergence_data/lr_study.jsonl, then rewrites its tables and
-## plots. On 2 cores a DDP run takes about 270 s and an ACCO run 420-600 s with the machine to itself: the 35 runs
-## the question needs about 4 h, all 41 about 5 h. `make lr-study LR_STUDY_ARGS=--report-only` redraws.
+## plots. On 2 cores a run takes 270-600 s with the machine to itself: the 35 runs the question needs about 4 h, all
+## 41 about 5.5 h (the recorded 41 took 7.98 h, some beside tests). `make lr-study LR_STUDY_ARGS=--report-only` redraws.
 lr-study: $(VENV)/.ready
 	nice -n 19 $(PY) examples/nanogpt/study.py $(LR_STUDY_ARGS)
 
