@@ -2,9 +2,9 @@
 
 ``run_ranks(fn, world_size, *args)`` runs ``fn(rank, world_size, *args)`` in
 ``world_size`` fresh processes (forked from a server that imported torch) and
-returns their results in rank order. A rank that raises makes the call fail at once with that rank's traceback (the others
-are killed); a run that outlives ``timeout`` is killed and fails. A bug shows as
-a failure, never as a hang.
+returns their results in rank order. A rank that raises makes the call fail at
+once with that rank's traceback (the others are killed); a run that outlives
+``timeout`` is killed and fails. A bug shows as a failure, never as a hang.
 """
 
 from __future__ import annotations

@@ -76,7 +76,8 @@ def _worker(rank: int, world: int) -> dict:
 
         ref_steps, ref_committed, ref_final = update_run(
             theta0, lambda ps: cls(ps, **kw), mode, scaled, world, UPDATES, m, learned=not given and mode == "acco",
-            lr_at=_lr if schedule else None, synchronous_updates=options.get("synchronous_updates", 0), estimate_dtype=options.get("estimate_dtype"))
+            lr_at=_lr if schedule else None, synchronous_updates=options.get("synchronous_updates", 0),
+            estimate_dtype=options.get("estimate_dtype"))
         out[name] = {
             "step_err": max(rel_err(a, flat_list(b)) for a, b in zip(traj, ref_steps)),
             "committed_err": max(rel_err(a, flat_list(b)) for a, b in zip(committed, ref_committed)),
