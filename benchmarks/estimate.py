@@ -23,6 +23,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from acco import functional, rounds  # noqa: E402
 from acco.stats import nbytes  # noqa: E402
+from acco.wrapped import WrappedOptimizers  # noqa: E402
 
 
 def build(n: int):
@@ -44,7 +45,7 @@ def one(buffers, opt, snapshot, use_functional: bool) -> float:
     try:
         hyper = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
         t0 = time.perf_counter()
-        rounds.run_round(rounds.RoundContext(buffers, opt, [buffers.master], None, snapshot),
+        rounds.run_round(rounds.RoundContext(buffers, WrappedOptimizers.around(opt, buffers.master), None, snapshot),
                          rounds.RoundSpec(rounds.RoundKind.ESTIMATE, 2, 0.5, hyper))
         return time.perf_counter() - t0
     finally:

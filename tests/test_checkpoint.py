@@ -85,7 +85,8 @@ def test_checkpoint_holds_only_tensors(tmp_path):
     _train(model, opt, 0, 1, 0, 4)
     ckpt.save(str(tmp_path / "c"), opt, extra={"step": torch.tensor(4)})
     meta = dcp.FileSystemReader(str(tmp_path / "c")).read_metadata().state_dict_metadata
-    assert {"optim.master", "optim.state.exp_avg", "optim.scalars.step", "optim.hyper.0.lr"} <= set(meta)
+    # one process: every parameter is one piece, keyed by its index and first element (format 3)
+    assert {"optim.master.0:0", "optim.state.0:0.exp_avg", "optim.scalars.0.step", "optim.hyper.0.lr"} <= set(meta)
     assert all(isinstance(m, TensorStorageMetadata) for m in meta.values()), {k: type(m) for k, m in meta.items()}
 
 

@@ -35,7 +35,7 @@ def _train(model, opt, updates, seed):
 def _everything(model, opt):
     st = opt.local_optimizer.state
     return ([t.detach().clone() for t in model.state_dict().values()] + [opt._flat.master.clone()]
-            + [v.clone() for p in opt._pieces for v in st.get(p, {}).values() if torch.is_tensor(v)]
+            + [v.clone() for _, t in opt._wrapped.held() for v in st.get(t, {}).values() if torch.is_tensor(v)]
             + [torch.tensor([opt.num_rounds, opt.num_updates, opt.next_update_index])])
 
 
@@ -136,10 +136,10 @@ def test_tampered_rank_state_dict_is_refused(tmp_path):
     torch.save(opt.state_dict(), tmp_path / "optim.pt")
     opt.finish()
     sd = torch.load(tmp_path / "optim.pt", weights_only=True)
-    sd["state"]["exp_avg"][7] += 1e-3
+    sd["state"]["0:0"]["exp_avg"].view(-1)[7] += 1e-3  # parameter 0's piece (one process: the whole parameter)
     model, opt = _victim()
     before = _everything(model, opt)
-    with pytest.raises(CheckpointError, match="'optim/state/exp_avg' does not match its checksum"):
+    with pytest.raises(CheckpointError, match="'optim/state/0:0/exp_avg' does not match its checksum"):
         opt.load_state_dict(sd)
     assert _same(before, _everything(model, opt))
     opt.finish()
@@ -179,7 +179,7 @@ def test_dcp_load_into_a_fresh_optimizers_template_is_refused(tmp_path):
     assert target["optim"]["state"] == {}
     dcp.load(target, checkpoint_id=str(tmp_path / "ckpt"), no_dist=True)
     before = _everything(model2, fresh)
-    with pytest.raises(ValueError, match=r"holds 3 optimizer-state entries.*listed 0.*acco.checkpoint.load"):
+    with pytest.raises(ValueError, match=r"holds 8 optimizer-state entries.*listed 0.*acco.checkpoint.load"):
         fresh.load_state_dict(target["optim"])
     assert _same(before, _everything(model2, fresh))
     acco.checkpoint.load(str(tmp_path / "ckpt"), fresh, model=model2)

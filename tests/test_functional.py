@@ -1,4 +1,5 @@
-"""Opt* without a snapshot (acco.functional) against the optimizer's own step, on random shapes."""
+"""Opt* without a snapshot (acco.functional) against the optimizer's own step, on random shapes: it writes the
+pieces only (the round copies the rest of the slice from the master)."""
 
 from __future__ import annotations
 
@@ -51,13 +52,17 @@ def test_estimate_equals_the_optimizers_step_and_changes_nothing(name, cls, kw, 
         grad_before = grad.clone()
         before_state = {id(p): {k: (v.clone() if torch.is_tensor(v) else v) for k, v in opt.state[p].items()}
                         for p in pieces}
+        n = master.numel() - 3
         if into_grad:  # the round's fp32 case: Opt* overwrites the gradient slice it reads
             functional.estimate_into(grad, opt, pieces, master)
+            assert torch.equal(grad[n:], grad_before[n:]), "only the pieces are written"
             out = grad.clone()
             grad.copy_(grad_before)
         else:
             out = torch.full_like(master, float("nan"))
             functional.estimate_into(out, opt, pieces, master)
+            assert bool(out[n:].isnan().all()) and not bool(out[:n].isnan().any()), "only the pieces are written"
+        functional.copy_ranges(out, master, [(n, n + 3)])  # the round copies the rest (padding) from the master
         assert torch.equal(master, before_master), "theta must not move"
         for p in pieces:
             for k, v in before_state[id(p)].items():
@@ -89,6 +94,7 @@ def test_estimate_round_equals_the_oracles_opt_star(name, cls, kw):
     from oracle import _opt_star
 
     from acco.rounds import OptimizerSnapshot, RoundContext, RoundKind, RoundSpec, ShardBuffers, run_round
+    from acco.wrapped import WrappedOptimizers
 
     g = torch.Generator().manual_seed(3)
     n = 37
@@ -109,7 +115,7 @@ def test_estimate_round_equals_the_oracles_opt_star(name, cls, kw):
                            count=torch.zeros(1), rank_counts=torch.zeros(1), row=torch.zeros(3, **f64),
                            rows=torch.zeros(3, **f64))
     hyper = [{k: v for k, v in opt.param_groups[0].items() if k != "params"}]
-    run_round(RoundContext(buffers, opt, [master], None, OptimizerSnapshot()), RoundSpec(RoundKind.ESTIMATE, 2, 0.5, hyper))
+    run_round(RoundContext(buffers, WrappedOptimizers.around(opt, master), None, OptimizerSnapshot()), RoundSpec(RoundKind.ESTIMATE, 2, 0.5, hyper))
     assert torch.allclose(buffers.weights, want, rtol=1e-6, atol=1e-7), (buffers.weights - want).abs().max()
     assert torch.equal(master.detach(), before_master), "theta must not move"
     for k, v in before_state.items():

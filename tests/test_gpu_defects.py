@@ -11,7 +11,7 @@ import acco.collectives as collectives
 from acco import AccoOptimizer
 from acco.checkpoint import scalar_state
 from acco.stats import CudaTiming, RoundRecord, SettledTiming
-from tinynet import flat, loss_fn, make_model
+from tinynet import flat, loss_fn, make_model, master_of
 
 
 @pytest.mark.parametrize("flags", [{}, {"fused": True}, {"capturable": True}])
@@ -87,11 +87,11 @@ def _bf16_update(accumulation_dtype, micro_batches=32, reduce_dtype=None, report
                         accumulation_dtype=accumulation_dtype, microbatches_per_update=micro_batches)
     if report is not None:
         report.update(opt.memory_report())
-    before = opt.state_dict()["master"].double().clone()
+    before = master_of(opt).double().clone()
     for x, y in data:
         loss(model, x, y).backward()
     opt.step()
-    after = opt.state_dict()["master"].double()
+    after = master_of(opt).double()
     opt.finish()
     got = before - after  # the summed gradient (DDP's .grad average over one rank: the sum)
     want = torch.cat([r.flatten() for r in reference])
@@ -153,7 +153,7 @@ def test_fp32_accumulation_discards_like_torch(discard):
         model = make_model().bfloat16()
         opt = AccoOptimizer(model.parameters(), torch.optim.SGD, mode="sync", lr=1.0, microbatches_per_update=2,
                             accumulation_dtype=accumulation)
-        before = opt.state_dict()["master"].clone()
+        before = master_of(opt).clone()
         model(x0).sum().backward()
         if discard == "p.grad = None":
             for p in model.parameters():
@@ -162,7 +162,7 @@ def test_fp32_accumulation_discards_like_torch(discard):
             model.zero_grad(set_to_none=not discard.endswith("False)"))
         model(x1).sum().backward()
         opt.step()
-        moves[accumulation] = before - opt.state_dict()["master"]
+        moves[accumulation] = before - master_of(opt)
         opt.finish()
     reference = make_model().bfloat16()
     reference(x1).sum().backward()
@@ -202,7 +202,7 @@ def test_fp32_accumulation_follows_grad_like_the_bound_buffer(case):
                 opt = AccoOptimizer(model.parameters(), torch.optim.SGD, **kw)
         else:
             opt = AccoOptimizer(model.parameters(), torch.optim.SGD, **kw)
-        before = opt.state_dict()["master"].clone()
+        before = master_of(opt).clone()
         model(xs[0]).sum().backward()
         if case.startswith("model.to"):
             model.to("cpu:0")
@@ -212,7 +212,7 @@ def test_fp32_accumulation_follows_grad_like_the_bound_buffer(case):
         if case.startswith("p.grad = None"):
             next(model.parameters()).grad = None
         opt.step()
-        moves[accumulation] = before - opt.state_dict()["master"]
+        moves[accumulation] = before - master_of(opt)
         opt.finish()
     assert moves[None].abs().sum() > 0
     assert torch.allclose(moves[None], moves[torch.bfloat16], rtol=2e-2, atol=2e-2), (moves[None] - moves[torch.bfloat16]).abs().max()

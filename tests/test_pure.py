@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from acco.layout import FlatLayout
+from acco.placement import Layout
 from acco.rounds import clip_coefficient
 
 
@@ -19,7 +19,7 @@ def test_layout_pieces_tile_every_parameter_exactly_once(seed):
     shapes = [tuple(int(d) for d in torch.randint(0, 7, (int(torch.randint(0, 4, (1,), generator=g)),), generator=g))
               for _ in range(int(torch.randint(1, 9, (1,), generator=g)))]
     world = int(torch.randint(1, 6, (1,), generator=g))
-    layout = FlatLayout.build(shapes, world)
+    layout = Layout.build(shapes, world)
     numel = sum(math.prod(s) for s in shapes)
     assert layout.numel == numel and layout.padded_numel == layout.shard_size * world >= numel
     covered = [torch.zeros(math.prod(s), dtype=torch.int64) for s in shapes]

@@ -36,7 +36,7 @@ def _bytes_worker(rank: int, world: int) -> dict:
         "moment_numel": sum(t.numel() for t in state if t.dim() > 0),
         "moment_bytes": sum(t.numel() * t.element_size() for t in state if t.dim() > 0),
         "largest_state_tensor": max(t.numel() for t in state),
-        "piece_numel": sum(p.numel() for p in opt._pieces),
+        "piece_numel": sum(t.numel() for _, t in opt._wrapped.held()),
         "real_numel": opt.layout.real_numel(rank),
     }
 

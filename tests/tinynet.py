@@ -78,3 +78,9 @@ def record_round_lrs(opt, used: List[float], monkeypatch) -> None:
         return real(out, optimizer, *args)
 
     monkeypatch.setattr(functional, "estimate_into", estimate_into)
+
+
+def master_of(opt) -> torch.Tensor:
+    """This rank's fp32 master weights from ``opt.state_dict()``: its pieces end to end, in parameter order."""
+    pieces = opt.state_dict()["master"]
+    return torch.cat([pieces[k] for k in sorted(pieces, key=lambda k: tuple(int(x) for x in k.split(":")))])

@@ -14,33 +14,74 @@ import torch.distributed as dist
 MODES = ("acco", "dpu", "sync")
 
 
-# torch.optim classes whose step acts on every element on its own (given per-tensor scalars such as
-# AdamW's step): a slice of a parameter steps exactly as that slice of the whole parameter would.
-ELEMENTWISE = tuple(
-    getattr(torch.optim, name)
-    for name in ("SGD", "Adam", "AdamW", "Adamax", "NAdam", "RAdam", "Adagrad", "Adadelta", "RMSprop", "Rprop", "ASGD")
-    if hasattr(torch.optim, name)
-)
-
-
-def check_optimizer_class(optimizer_class: Any, assume_elementwise: Any = False) -> None:
+def check_optimizer_class(optimizer_class: Any, where: str = "optimizer_class") -> None:
     if not (isinstance(optimizer_class, type) and issubclass(optimizer_class, torch.optim.Optimizer)):
         raise TypeError(
-            "optimizer_class must be a torch.optim.Optimizer subclass such as torch.optim.AdamW "
+            f"{where} must be a torch.optim.Optimizer subclass such as torch.optim.AdamW "
             f"(the class, not an instance), got {optimizer_class!r}"
         )
+
+
+PLACEMENTS = ("elementwise", "whole")
+
+
+def check_placement_option(placement: Any, assume_elementwise: Any) -> Optional[str]:
+    """``placement=`` for optimizer classes acco does not know; ``assume_elementwise=True`` is ``"elementwise"``."""
     if not isinstance(assume_elementwise, bool):
         raise TypeError(f"assume_elementwise must be True or False, got {assume_elementwise!r}")
-    if optimizer_class in ELEMENTWISE or assume_elementwise:
+    if placement is not None and placement not in PLACEMENTS:
+        raise ValueError(
+            f"placement must be None, 'elementwise' or 'whole' (how to shard an optimizer class acco does not "
+            f"know), got {placement!r}"
+        )
+    if assume_elementwise and placement == "whole":
+        raise ValueError("assume_elementwise=True and placement='whole' contradict each other: pass one of them")
+    return "elementwise" if assume_elementwise else placement
+
+
+def group_class(group: Dict[str, Any], index: int, default: type) -> type:
+    """The optimizer class of param group ``index``: its ``"optimizer_class"``, else ``default``."""
+    cls = group.get("optimizer_class", default)
+    check_optimizer_class(cls, f"param group {index}'s 'optimizer_class'")
+    return cls
+
+
+def other_class_defaults(groups: List[Dict[str, Any]], classes: List[type], default: type) -> List[Dict[str, Any]]:
+    """A group of another class than ``optimizer_class`` takes its class's defaults, not ``**optimizer_kwargs``
+    (which are ``optimizer_class``'s): filled in before torch fills every group from the latter."""
+    from .wrapped import class_defaults
+
+    return [g if cls is default else {**class_defaults(cls), **g, "optimizer_class": cls}
+            for g, cls in zip(groups, classes)]
+
+
+def drop_foreign_defaults(groups: List[Dict[str, Any]], classes: List[type], default: type,
+                          kwargs: Dict[str, Any]) -> None:
+    """Remove from the groups of another class the keys torch filled in from ``**optimizer_kwargs`` that the
+    class does not take (AdamW's ``betas`` in a Muon group)."""
+    from .wrapped import class_defaults
+
+    for g, cls in zip(groups, classes):
+        if cls is not default:
+            own = class_defaults(cls)
+            for key in kwargs:
+                if key not in own and key in g:
+                    del g[key]
+
+
+def check_whole_tensors(cls: type, placement: str, params: List[torch.Tensor], first_index: int) -> None:
+    """What a class placed whole refuses, checked on every rank before any rank builds it: Muon steps 2-D
+    matrices only."""
+    if getattr(torch.optim, "Muon", None) is not cls:
         return
-    name = f"{optimizer_class.__module__}.{optimizer_class.__qualname__}"
-    raise ValueError(
-        f"optimizer_class {name} is not known to be element-wise. Each rank steps its 1/N slice of the "
-        "flattened parameters, which computes the same update only for optimizers that treat every element on "
-        "its own (not Adafactor's factored moments, Muon's orthogonalisation, LBFGS's line search or "
-        f"SparseAdam). Known element-wise: {', '.join(c.__name__ for c in ELEMENTWISE)}. If your optimizer is "
-        "element-wise, pass assume_elementwise=True."
-    )
+    for k, p in enumerate(params):
+        if p.dim() != 2:
+            raise ValueError(
+                f"parameter {first_index + k} {tuple(p.shape)} is in a torch.optim.Muon group, but Muon orthogonalises "
+                "2-D matrices only. Give embeddings, the output head, norms and biases a param group of their own "
+                "with an element-wise optimizer: AccoOptimizer([{'params': hidden_matrices, 'optimizer_class': "
+                "torch.optim.Muon, 'lr': 0.02}, {'params': the_rest, 'lr': 3e-4}], torch.optim.AdamW, ...)"
+            )
 
 
 def check_fresh_optimizer(optimizer: Any, options: Dict[str, Any]) -> None:
@@ -50,7 +91,7 @@ def check_fresh_optimizer(optimizer: Any, options: Dict[str, Any]) -> None:
             "AccoOptimizer.from_optimizer() takes a torch.optim.Optimizer instance (e.g. what "
             f"model.configure_optimizers(...) returns), got {torch.typename(optimizer)}"
         )
-    if hasattr(optimizer, "layout") and hasattr(optimizer, "local_optimizer"):
+    if hasattr(optimizer, "layout") and hasattr(optimizer, "local_optimizers"):
         raise TypeError("AccoOptimizer.from_optimizer() got an AccoOptimizer: it is already one; use it as it is")
     if any(optimizer.state.values()):
         raise ValueError(

@@ -27,7 +27,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 import torch
 
 from .grads import GradBinding
-from .layout import FlatLayout
+from .placement import Layout
 from .rounds import ShardBuffers
 from .stats import nbytes
 
@@ -40,7 +40,7 @@ class FlatBuffers:
     def __init__(
         self,
         params: Sequence[torch.Tensor],
-        layout: FlatLayout,
+        layout: Layout,
         rank: int,
         compute_dtype: torch.dtype,
         accumulation_dtype: torch.dtype,
@@ -51,6 +51,7 @@ class FlatBuffers:
     ) -> None:
         self.params = list(params)
         self.layout = layout
+        self.compute_dtype = compute_dtype
         self.rank = rank
         device = self.params[0].device
         param_dtype = self.params[0].dtype
@@ -109,23 +110,6 @@ class FlatBuffers:
     @property
     def master(self) -> torch.Tensor:
         return self.shard.master
-
-    def optimizer_groups(self, param_groups: Sequence[Dict[str, Any]]) -> Tuple[List[torch.Tensor], List[Dict[str, Any]]]:
-        """The wrapped optimizer's parameters (one view of the master slice per parameter, its ``.grad`` a view
-        of the gradient slice; empty where the parameter misses this rank's slice) and its param groups."""
-        pieces = self.layout.pieces(self.rank)
-        out: List[torch.Tensor] = []
-        groups = []
-        for g in param_groups:
-            group_pieces = []
-            for _ in g["params"]:
-                pc = pieces[len(out) + len(group_pieces)]
-                t = self.master[pc.local_start : pc.local_end]
-                t.grad = self.shard.grad[pc.local_start : pc.local_end]
-                group_pieces.append(t)
-            out.extend(group_pieces)
-            groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": group_pieces})
-        return out, groups
 
     def round_tensors(self) -> List[torch.Tensor]:
         """Every tensor a round touches that is allocated here (the CUDA path records them on its stream)."""
@@ -209,19 +193,19 @@ class FlatBuffers:
             p.copy_(v)
             v.copy_(tmp)
 
-    def model_slice(self, swapped: bool) -> torch.Tensor:
-        """This rank's slice of the model's own weights (those for the next micro-batch), end to end (a new
-        slice-sized tensor). ``swapped``: inside ``committed_weights()`` they wait in the round buffer."""
+    def model_piece(self, index: int, piece, swapped: bool) -> torch.Tensor:
+        """The model's own weights (those for the next micro-batch) of ``piece`` of parameter ``index`` (a view).
+        ``swapped``: inside ``committed_weights()`` they wait in the round buffer."""
         source = self.comm_views if swapped else self.params
-        return torch.cat([p.detach().reshape(-1)[pc.param_start : pc.param_end]
-                          for p, pc in zip(source, self.layout.pieces(self.rank))])
+        return source[index].detach().reshape(-1)[piece.param_start : piece.param_end]
 
     @torch.no_grad()
-    def load_master(self, local: torch.Tensor) -> None:
-        """This rank's master slice from ``local`` (its real elements; the padding is zero)."""
-        real = self.layout.real_numel(self.rank)
+    def master_from_model(self, swapped: bool) -> None:
+        """This rank's master slice from the model's weights (the padding zero)."""
         self.master.zero_()
-        self.master[:real].copy_(local)
+        for i, pc in enumerate(self.layout.pieces(self.rank)):
+            if pc.numel:
+                self.master[pc.local_start : pc.local_end].copy_(self.model_piece(i, pc, swapped))
 
     # ------------------------------------------------------------ accounting
 

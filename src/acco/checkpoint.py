@@ -1,27 +1,18 @@
-"""Checkpoints: this rank's state dict (``torch.save`` on every rank), the sharded
-form for torch.distributed.checkpoint (DCP, any world size), and a consolidated
-per-parameter format for moving to and from a plain optimizer.
+"""Checkpoints: this rank's state dict (``torch.save`` on every rank), the same for
+torch.distributed.checkpoint (DCP, any world size at load), one file written by one
+rank (:func:`gather`), and a consolidated format for moving to and from a plain
+optimizer.
 
-Both sharded forms hold the same entries, keyed by names and parameter
-indices, never ``id(p)``::
+What a state dict holds is :mod:`acco.state_format` (format 3: per parameter,
+each rank's pieces keyed by parameter index and first element, never
+``id(p)``). ``load_state_dict`` refuses a state dict of another mode, optimizer
+class, model, rank or world size, or a plain torch optimizer's, before changing
+anything, and names the call to use instead. Checkpoints of format 2 (acco
+before per-parameter state) still load and resume exactly.
 
-    master    flat fp32 weights (all parameters end to end)     \\
-    params    flat model weights (the compute copy, see below)   } this rank's slice
-    state/K   flat optimizer state K (AdamW: exp_avg, ...)      /  (DCP: 1-D DTensors, Shard(0))
-    scalars/K per-parameter scalar state (AdamW: step), one value per parameter
-    hyper/G.K numeric hyper-parameter K of param group G (lr, betas, ...)
-    counters  the saved progress (``progress.Progress.SAVED``, in that order)
-
-and what they are: ``acco`` (``opt.state_dict()``: format, mode, wrapped
-optimizer, layout, and the rank and world size whose slice it holds) or
-``meta`` (DCP: the same less rank and world size, as tensors).
-``load_state_dict`` refuses a state dict of another mode, optimizer class,
-model, rank or world size, or a plain torch optimizer's, before changing
-anything, and names the call to use instead.
-
-In DCP every flat tensor has the same global length whatever the world size,
-so DCP reshards a checkpoint saved on N ranks onto M ranks by itself. Nothing
-is pickled: all entries are tensors, and loading executes no code.
+In DCP each rank writes its own pieces; at load, each rank reads the saved
+pieces that overlap its own, so a checkpoint saved on N ranks loads on M.
+Nothing is pickled: all entries are tensors, and loading executes no code.
 
 *When* a checkpoint may be taken: at an update boundary (``opt.at_update_boundary``),
 i.e. between a ``step()`` and the next ``backward()``. The in-flight commit is waited for and saved; nothing is
@@ -40,23 +31,12 @@ from typing import TYPE_CHECKING, Any, Dict, Optional
 import torch
 import torch.distributed as dist
 
+from . import state_legacy
 from .checksums import CheckpointError, checksums, replicated_only, verify
-from .shard_state import (
-    FORMAT_VERSION,
-    GATHERED,
-    IMPLEMENTATION_FLAGS,
-    check_compatible,
-    check_loadable,
-    consolidated_state_dict,
-    decode_meta,
-    describe,
-    load_consolidated_state_dict,
-    load_state_dict,
-    meta_template,
-    scalar_state,
-    state_dict,
-    template,
-)
+from .progress import Progress
+from .state_format import FORMAT_VERSION, GATHERED, IMPLEMENTATION_FLAGS, check_compatible, decode_meta, parse_piece_key
+from .state_io import check_loadable, load_state_dict
+from .state_pieces import scalar_state, wanted
 
 if TYPE_CHECKING:  # pragma: no cover
     from .optimizer import AccoOptimizer
@@ -65,17 +45,12 @@ __all__ = [
     "CheckpointError",
     "FORMAT_VERSION",
     "IMPLEMENTATION_FLAGS",
-    "consolidated_state_dict",
-    "describe",
     "gather",
     "latest",
     "load",
-    "load_consolidated_state_dict",
-    "load_state_dict",
     "resolve",
     "save",
     "scalar_state",
-    "state_dict",
 ]
 
 
@@ -113,7 +88,7 @@ def gather(optimizer: "AccoOptimizer", *, model: Optional[torch.nn.Module] = Non
     """
     _same_call(optimizer, "acco.checkpoint.gather()")
     group = optimizer.process_group
-    own = _cpu_copy(state_dict(optimizer))  # waits for the in-flight commit, as state_dict() does
+    own = _cpu_copy(optimizer.state_dict())  # waits for the in-flight commit
     if group is None:
         entries: Optional[list] = [own]
         rank = 0
@@ -137,7 +112,7 @@ def gather(optimizer: "AccoOptimizer", *, model: Optional[torch.nn.Module] = Non
 def _same_call(optimizer: "AccoOptimizer", call: str) -> None:
     """Before a checkpoint call's first collective: every rank is in this call (else all raise, naming the calls)."""
     if dist.is_initialized():
-        optimizer._all_gather_row([0], call)
+        optimizer._owners.gather_row([0], call)
 
 
 def _rank0(group) -> bool:
@@ -162,10 +137,15 @@ def save(path: str, optimizer: "AccoOptimizer", *, model: Optional[torch.nn.Modu
 
     _same_call(optimizer, "acco.checkpoint.save()")
     group = optimizer.process_group
-    sd: Dict[str, Any] = {"optim": state_dict(optimizer, sharded=True), "extra": dict(extra or {})}
+    sd: Dict[str, Any] = {"optim": optimizer.sharded_state_dict(), "extra": dict(extra or {})}
     if model is not None:
         sd["model"] = model.state_dict()
-    sd["checksums"] = replicated_only(optimizer, checksums(optimizer, sd))  # verified by load()
+    sums = checksums(sd)  # verified by load()
+    # Each rank's pieces are entries of its own; the rest every rank holds alike (kept where they agree).
+    own = {k: v for k, v in sums.items() if k.startswith(_PIECES)}
+    common = replicated_only({k: v for k, v in sums.items() if k not in own}, group if dist.is_initialized() else None,
+                             optimizer.device)
+    sd["checksums"] = {**own, **common}
     tmp, old = f"{path}.tmp", f"{path}.old"
     if _rank0(group):
         shutil.rmtree(tmp, ignore_errors=True)
@@ -184,6 +164,7 @@ def save(path: str, optimizer: "AccoOptimizer", *, model: Optional[torch.nn.Modu
 
 
 COMPLETE = ".acco-complete"
+_PIECES = tuple(f"optim/{k}/" for k in ("master", "params", "state", "entries", "scalars"))
 
 
 def latest(root: str) -> Optional[str]:
@@ -254,20 +235,19 @@ def load(path: str, optimizer: "AccoOptimizer", *, model: Optional[torch.nn.Modu
     except Exception as exc:
         raise CheckpointError(f"{where}: its .metadata cannot be read ({type(exc).__name__}: {exc}). "
                               "Nothing was loaded.") from exc
-    flat_keys = [k.split(".", 2)[2] for k in meta if k.startswith("optim.state.")]
-    scalar_keys = [k.split(".", 2)[2] for k in meta if k.startswith("optim.scalars.")]
-    hyper_keys = {k.split(".", 2)[2]: tuple(meta[k].size) for k in meta if k.startswith("optim.hyper.")}
     meta_keys = {k.split(".", 2)[2]: tuple(meta[k].size) for k in meta if k.startswith("optim.meta.")}
     sum_keys = [k.split(".", 1)[1] for k in meta if k.startswith("checksums.")]
     if not meta_keys:
         raise CheckpointError(f"{where}: no AccoOptimizer description (optim.meta) in it: not written by "
-                              f"acco.checkpoint.save of this acco version (format {FORMAT_VERSION}). Nothing was loaded.")
+                              f"acco.checkpoint.save (format {FORMAT_VERSION} or 2). Nothing was loaded.")
     # What the checkpoint holds is checked before anything (the model included) is touched.
-    head = {"optim": {"meta": meta_template(meta_keys)}}
+    head = {"optim": {"meta": _meta_template(meta_keys)}}
     read(head)
-    check_compatible(optimizer, decode_meta(head["optim"]["meta"]), rank_shard=False)
+    owners = optimizer._owners
+    info = decode_meta(head["optim"]["meta"])
+    check_compatible(owners.describe, info, False, owners.rank, owners.world_size)
     sd: Dict[str, Any] = {
-        "optim": template(optimizer, flat_keys, scalar_keys, hyper_keys, meta_keys),
+        "optim": _target(optimizer, meta, meta_keys, info),
         "extra": {k: v.clone() for k, v in (extra or {}).items()},
     }
     trained = {}  # the model's entries that are this optimizer's parameters: restored from its slices instead
@@ -283,11 +263,62 @@ def load(path: str, optimizer: "AccoOptimizer", *, model: Optional[torch.nn.Modu
     sd["checksums"] = {k: torch.zeros((), dtype=torch.int64) for k in sum_keys}
     read(sd)
     expected = {k: v for k, v in sd.pop("checksums").items() if not (k.startswith("model/") and k[6:] in trained)}
-    verify(optimizer, {k: v for k, v in sd.items()}, expected, where, subset=True)
-    check_loadable(optimizer, sd["optim"], allow_new_microbatches=allow_new_microbatches)  # before the model changes
+    if state_legacy.is_legacy(info):  # format 2: a flat entry's checksum is the sum of its slices' over ranks
+        got = state_legacy.dcp_checksums(sd, owners.rank, owners.layout.shard_size, optimizer.process_group,
+                                         optimizer.device)
+    else:
+        got = checksums(sd)
+    verify(got, expected, where, subset=True)
+    check_loadable(owners, sd["optim"], allow_new_microbatches=allow_new_microbatches)  # before the model changes
     if model is not None:
         # The trained parameters load from themselves here; load_state_dict below writes them from the
-        # checkpoint's slices (all-gathered into the idle round buffer): no model-sized copy.
+        # checkpoint's pieces (all-gathered into the idle round buffer): no model-sized copy.
         model.load_state_dict({**sd["model"], **{k: v.detach() for k, v in trained.items()}})
-    load_state_dict(optimizer, sd["optim"], checked=True)
+    load_state_dict(owners, sd["optim"], checked=True)
     return sd["extra"]
+
+
+def _meta_template(meta_keys) -> Dict[str, torch.Tensor]:
+    return {k: torch.zeros(shape, dtype=torch.int64 if len(shape) == 0 else torch.uint8) for k, shape in meta_keys.items()}
+
+
+def _target(optimizer: "AccoOptimizer", meta: Dict[str, Any], meta_keys, info) -> Dict[str, Any]:
+    """Empty tensors for ``dcp.load`` to fill: the saved pieces that overlap this rank's, every scalar of the
+    parameters it steps, the hyper-parameters, counters and description."""
+    owners = optimizer._owners
+    layout, rank = owners.layout, owners.rank
+    hyper = {k.split(".", 2)[2]: tuple(meta[k].size) for k in meta if k.startswith("optim.hyper.")}
+    if state_legacy.is_legacy(info):
+        keys = {"state": [k.split(".", 2)[2] for k in meta if k.startswith("optim.state.")],
+                "scalars": [k.split(".", 2)[2] for k in meta if k.startswith("optim.scalars.")],
+                "hyper": hyper, "counters": len(Progress.SAVED), "meta": meta_keys}
+        return state_legacy.dcp_target(layout, rank, optimizer.process_group, optimizer.device,
+                                       optimizer.compute_dtype, owners.flat.master.dtype, keys)
+
+    def empty(k):
+        md = meta[k]
+        return torch.empty(tuple(md.size), dtype=md.properties.dtype)
+
+    saved: Dict[int, list] = {}
+    for k in meta:
+        if k.startswith("optim.master."):
+            i, a = parse_piece_key(k[len("optim.master."):])
+            saved.setdefault(i, []).append((a, int(torch.Size(meta[k].size).numel())))
+    out: Dict[str, Any] = {"master": {}, "params": {}, "state": {}, "entries": {}, "scalars": {},
+                           "hyper": {k: torch.zeros(shape, dtype=torch.float64) for k, shape in hyper.items()},
+                           "counters": torch.zeros(len(Progress.SAVED), dtype=torch.int64),
+                           "meta": _meta_template(meta_keys)}
+    for i, a in wanted(layout, rank, saved):
+        key = f"{i}:{a}"
+        for section in ("master", "params", "entries"):
+            out[section][key] = empty(f"optim.{section}.{key}")
+        head = f"optim.state.{key}."
+        state = {k[len(head):]: empty(k) for k in meta if k.startswith(head)}
+        if state:
+            out["state"][key] = state
+    for i in layout.stepped_by(rank):
+        head = f"optim.scalars.{i}."
+        scalars = {k[len(head):]: empty(k) for k in meta if k.startswith(head)}
+        if scalars:
+            out["scalars"][str(i)] = scalars
+    return out

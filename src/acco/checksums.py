@@ -1,21 +1,19 @@
 """Checksums of a checkpoint's tensors: written by ``save``, verified by ``load`` before anything changes.
 
-A checksum is additive over slices, so a sharded entry's is the sum of its
-slices' (one all-reduce) and survives resharding. Pure functions of tensors,
-except where a sharded entry's slices are summed (a collective on the user's
-group).
+One checksum per entry, over the tensor as it is stored. Each rank's pieces of
+the optimizer state are entries of their own (format 3), so no checksum spans
+ranks; the entries every rank holds alike (the model's weights, the counters)
+are kept only where every rank computed the same (:func:`replicated_only`).
+Pure functions of tensors, except :func:`replicated_only` (a collective).
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Dict
+from typing import Any, Dict, Optional
 
 import torch
 import torch.distributed as dist
-
-if TYPE_CHECKING:  # pragma: no cover
-    from .optimizer import AccoOptimizer
 
 __all__ = ["CheckpointError", "checksums", "replicated_only", "verify"]
 
@@ -32,8 +30,8 @@ class CheckpointError(ValueError):
 def _partial_checksum(t: torch.Tensor, start: int) -> torch.Tensor:
     """Sum over the tensor's bit words ``w_i`` of ``w_i * (2 (start + i) + 1)`` in wrapping int64.
 
-    Additive over slices (a sharded tensor's checksum is the sum of its slices'), so it survives
-    resharding; order-sensitive; changes with any single changed word (the weights are odd).
+    Order-sensitive; changes with any single changed word (the weights are odd); additive over slices when
+    ``start`` is each slice's offset (format 2 relied on that).
     """
     flat = t.detach().reshape(-1).contiguous()
     size = flat.element_size()
@@ -56,35 +54,24 @@ def _leaves(tree: Dict[str, Any], prefix: str = ""):
             yield path, value
 
 
-def checksums(opt: "AccoOptimizer", sd: Dict[str, Any]) -> Dict[str, torch.Tensor]:
-    """One checksum per tensor of ``sd``: a sharded (DTensor) entry's over all ranks (an all-reduce on
-    the user's group: collective), a plain entry's over what this rank holds."""
-    out: Dict[str, torch.Tensor] = {}
-    sharded = []
-    offset = opt.rank * opt.layout.shard_size
-    for path, t in _leaves(sd):
-        if hasattr(t, "to_local"):
-            out[path] = _partial_checksum(t.to_local(), offset)
-            sharded.append(path)
-        else:
-            out[path] = _partial_checksum(t, offset if path.startswith("optim/") and _is_slice(path) else 0)
-    if sharded and opt.process_group is not None and dist.is_initialized():
-        parts = torch.stack([out[k] for k in sharded]).to(opt.device)
-        dist.all_reduce(parts, group=opt.process_group)  # the sum of the slices' checksums: the whole tensor's
-        for k, v in zip(sharded, parts.cpu()):
-            out[k] = v
-    return out
+def checksums(tree: Dict[str, Any]) -> Dict[str, torch.Tensor]:
+    """One checksum per tensor of ``tree``, keyed by its path (``"optim/master/3:0"``)."""
+    return {path: _partial_checksum(t, 0) for path, t in _leaves(tree)}
 
 
-def replicated_only(opt: "AccoOptimizer", sums: Dict[str, torch.Tensor]) -> Dict[str, torch.Tensor]:
-    """Drop the checksums of entries that differ across ranks (DCP keeps one rank's copy of a plain entry,
-    so no single checksum would fit; e.g. BatchNorm statistics without ``buffers=``). Collective."""
-    if opt.process_group is None or not dist.is_initialized():
+def replicated_only(sums: Dict[str, torch.Tensor], group: Optional[dist.ProcessGroup],
+                    device: torch.device) -> Dict[str, torch.Tensor]:
+    """Drop the checksums of entries that differ across ranks (DCP keeps one rank's copy of an entry every rank
+    holds, so no single checksum would fit; e.g. BatchNorm statistics without ``buffers=``). ``sums``: the same
+    keys on every rank. Collective on ``group``."""
+    if group is None or not dist.is_initialized():
         return sums
     keys = sorted(sums)
-    mine = torch.stack([sums[k] for k in keys]).to(opt.device)
-    everyone = [torch.empty_like(mine) for _ in range(opt.world_size)]
-    dist.all_gather(everyone, mine, group=opt.process_group)
+    if not keys:
+        return sums
+    mine = torch.stack([sums[k] for k in keys]).to(device)
+    everyone = [torch.empty_like(mine) for _ in range(dist.get_world_size(group))]
+    dist.all_gather(everyone, mine, group=group)  # every rank's checksums of the entries all ranks hold
     differ = [k for i, k in enumerate(keys) if any(int(e[i]) != int(mine[i]) for e in everyone)]
     if differ:
         log.warning("acco.checkpoint.save: %s differ across ranks; the checkpoint keeps one rank's copy, unverified",
@@ -92,17 +79,13 @@ def replicated_only(opt: "AccoOptimizer", sums: Dict[str, torch.Tensor]) -> Dict
     return {k: v for k, v in sums.items() if k not in differ}
 
 
-def _is_slice(path: str) -> bool:
-    return path in ("optim/master", "optim/params") or path.startswith("optim/state/")
-
-
-def verify(opt: "AccoOptimizer", sd: Dict[str, Any], expected: Dict[str, torch.Tensor], where: str,
-           subset: bool = False) -> None:
-    """Raise :class:`CheckpointError` naming the first entry whose checksum differs (``subset``: entries
-    without a stored checksum pass, as :func:`save` drops those that differ across ranks). Collective if sharded."""
-    got = checksums(opt, sd)
+def verify(got: Dict[str, torch.Tensor], expected: Dict[str, torch.Tensor], where: str, subset: bool = False) -> None:
+    """Raise :class:`CheckpointError` naming the first entry whose checksum differs. ``got``: the checksums of
+    what was read; ``subset``: entries without a stored checksum pass, and stored checksums of entries not read
+    are not required (a rank reads only the pieces it needs)."""
     if subset:
         got = {k: v for k, v in got.items() if k in expected}
+        expected = {k: v for k, v in expected.items() if k in got}
     if set(got) != set(expected):
         raise CheckpointError(
             f"{where}: the checksummed entries {sorted(set(expected) ^ set(got))} are missing on one side: the file "

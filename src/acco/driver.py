@@ -86,9 +86,8 @@ class RoundDriver:
         """CUDA path: what the side stream will touch that other streams may have allocated."""
         if not self.scheduler.uses_streams:
             return []
-        state = self.ctx.optimizer.state
         return (self._round_tensors + [v for g in hyper for v in g.values() if torch.is_tensor(v)]
-                + [v for st in state.values() for v in st.values() if torch.is_tensor(v)])
+                + self.ctx.wrapped.state_tensors())
 
     # ------------------------------------------------------------ collection
 

@@ -18,11 +18,11 @@ host synchronisation (step counters on the device stay there).
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["CHUNK", "estimate_into", "supports", "temporaries_bound"]
+__all__ = ["CHUNK", "copy_ranges", "estimate_into", "supports", "temporaries_bound"]
 
 CHUNK = 1 << 20  # elements per piece of work: the temporaries are a few of these
 
@@ -58,11 +58,11 @@ def estimate_into(
     pieces: Sequence[torch.Tensor],
     master: torch.Tensor,
 ) -> None:
-    """Write ``Opt*(master, pieces' .grad)`` into ``out`` (master's shape, any float dtype); change nothing else.
+    """Write ``Opt*(master, pieces' .grad)`` into ``out`` (master's shape, any float dtype) where ``pieces`` lie;
+    change nothing else (the caller fills the rest of ``out``: other optimizers' tensors, padding).
 
     ``pieces`` are the wrapped optimizer's parameters (views of ``master``,
-    each with its ``.grad``), in ``optimizer.param_groups`` order, which is
-    master order; ``master`` outside them (padding) is copied as is. ``out``
+    each with its ``.grad``), in ``optimizer.param_groups`` order. ``out``
     may be the gradients' own memory (each ``.grad`` at its piece's offset):
     every batch's gradients are read before the batch is written. Call only if
     :func:`supports`.
@@ -76,9 +76,6 @@ def estimate_into(
     size = master.element_size()
     adam = type(optimizer) in (torch.optim.Adam, torch.optim.AdamW)
     keys = ("exp_avg", "exp_avg_sq") if adam else ("momentum_buffer",)
-    gaps_out: List[torch.Tensor] = []
-    gaps_src: List[torch.Tensor] = []
-    covered = 0  # pieces are in master order: what lies between them (padding) is copied as is
     for group in optimizer.param_groups:
         # A group's pieces share its hyper-parameters, and they step together (each has a .grad, a view of the
         # gradient slice): one step count for all, taken from the first piece with state.
@@ -89,10 +86,6 @@ def estimate_into(
             if p.numel() == 0:  # a parameter outside this rank's slice (an empty view has no address)
                 continue
             start = (p.data_ptr() - base) // size
-            if start > covered:
-                gaps_out.append(out[covered:start])
-                gaps_src.append(master[covered:start])
-            covered = max(covered, start + p.numel())
             state = optimizer.state.get(p, {})
             moments = [state[k].reshape(-1) for k in keys if state.get(k) is not None]
             if step is None and state.get("step") is not None:
@@ -106,11 +99,13 @@ def estimate_into(
                     _adam(*columns[:3], columns[3:] if stateful else None, step if stateful else None, group)
                 else:
                     _sgd(*columns[:3], columns[3] if stateful else None, group)
-    if covered < master.numel():
-        gaps_out.append(out[covered:])
-        gaps_src.append(master[covered:])
-    if gaps_out:
-        torch._foreach_copy_(gaps_out, gaps_src)
+
+
+def copy_ranges(out: torch.Tensor, source: torch.Tensor, ranges: Sequence[Tuple[int, int]]) -> None:
+    """``out[a:b] = source[a:b]`` for every range (one foreach copy): what an estimate leaves to the master."""
+    ranges = [(a, b) for a, b in ranges if b > a]
+    if ranges:
+        torch._foreach_copy_([out[a:b] for a, b in ranges], [source[a:b] for a, b in ranges])
 
 
 def _batches(rows: List[List[torch.Tensor]]):

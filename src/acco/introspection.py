@@ -123,9 +123,9 @@ class Introspection:
         its temporaries (none for fused AdamW). Local: no collective.
         """
         self._driver.collect()  # the round fills the state and the scratch: read them after it
-        state = [v for st in self.local_optimizer.state.values() for v in st.values()]
+        state = self._wrapped.state_values()
         snapshot = self._driver.ctx.snapshot
-        optimizer, master = self.local_optimizer, self._flat.shard.master
-        temporaries = (functional.temporaries_bound(optimizer, master)
-                       if self.mode == "acco" and functional.supports(optimizer) else 0)
+        master = self._flat.shard.master
+        temporaries = max([functional.temporaries_bound(part.optimizer, master) for part in self._wrapped.parts
+                           if self.mode == "acco" and functional.supports(part.optimizer)] or [0])
         return self._flat.memory_report(state, [] if snapshot is None else snapshot.tensors(), temporaries)

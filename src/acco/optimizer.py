@@ -34,7 +34,7 @@ import torch.distributed as dist
 
 from . import _validation as V
 from . import agreement
-from . import checkpoint as _checkpoint
+from . import state_consolidated, state_io
 from . import ddp as _ddp
 from . import hooks
 from .agreement import hyper_fingerprint
@@ -42,11 +42,13 @@ from .buffers import FlatBuffers
 from .collectives import connect, group_rank, group_size, ring_algorithm
 from .driver import RoundDriver
 from .introspection import Introspection
-from .layout import FlatLayout
+from .placement import Layout
 from .loops import ElasticLoop, UpdateLoop
 from .progress import Progress
 from .rounds import OptimizerSnapshot, RoundContext, RoundKind
 from .scheduler import StreamScheduler
+from .state_format import FORMAT_VERSION, StateOwners
+from .wrapped import WrappedOptimizers, class_name, placement_cost, placement_of
 
 __all__ = ["AccoOptimizer", "hyper_fingerprint"]
 
@@ -165,20 +167,35 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         timeout: Optional[datetime.timedelta] = None,
         buffers: Optional[Iterable[torch.Tensor]] = None,
         assume_elementwise: bool = False,
+        placement: Optional[str] = None,
         synchronous_updates: int = 0,
         **optimizer_kwargs: Any,
     ) -> None:
-        V.check_optimizer_class(optimizer_class, assume_elementwise)
+        placement = V.check_placement_option(placement, assume_elementwise)
+        V.check_optimizer_class(optimizer_class)
         V.check_mode(mode)
         V.check_handoffs(mode, microbatches_per_update, accumulate_while_communicating, min_microbatches, max_microbatches)
         V.check_clipping(max_grad_norm, nonfinite)
         V.check_timeout(timeout)
         V.check_synchronous_updates(accumulate_while_communicating, synchronous_updates)
         groups = V.normalize_param_groups(params)
+        classes = [V.group_class(g, gi, optimizer_class) for gi, g in enumerate(groups)]
+        groups = V.other_class_defaults(groups, classes, optimizer_class)
         super().__init__(groups, dict(optimizer_kwargs))
+        V.drop_foreign_defaults(self.param_groups, classes, optimizer_class, optimizer_kwargs)
         self._params: List[torch.Tensor] = [p for g in self.param_groups for p in g["params"]]
         V.check_params(self._params, compute_dtype)
         V.check_dtypes(self._params[0].dtype, compute_dtype)
+        self._classes = classes
+        kinds = {cls: placement_of(cls, placement) for cls in dict.fromkeys(classes)}
+        self.placement = placement
+        index_of_group, placements, costs, start = [], [], [], 0
+        for g, cls in zip(self.param_groups, classes):
+            index_of_group.append(list(range(start, start + len(g["params"]))))
+            start += len(g["params"])
+            V.check_whole_tensors(cls, kinds[cls], g["params"], len(placements))
+            placements += [kinds[cls]] * len(g["params"])
+            costs += [placement_cost(cls, p.shape, g) for p in g["params"]]
 
         self.mode = mode
         self.accumulate_while_communicating = bool(accumulate_while_communicating)
@@ -200,7 +217,12 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         self.estimate_dtype = estimate_dtype
         self._model_buffers = V.check_buffers(buffers, device)
         self._progress = Progress(torch.zeros((), dtype=torch.float64, device=device), microbatches_per_update)
-        self.layout = FlatLayout.build([p.shape for p in self._params], self.world_size)
+        self.layout = Layout.build([p.shape for p in self._params], self.world_size, placements, costs)
+        if self.layout.padding > 0.1 * self.layout.numel:
+            log.warning("acco: the flat buffer holds %d elements for %d of parameters (%.0f%% padding, sent by every "
+                        "round): a tensor placed whole is larger than 1/%d of the model (docs/usage.md, placement)",
+                        self.layout.padded_numel, self.layout.numel, 100 * self.layout.padding / self.layout.numel,
+                        self.world_size)
         round_group = None
         if self._group is not None:
             agreement.check_same_model(self._group, agreement.fingerprints(self), self.layout.numel, len(self._params), device)
@@ -228,24 +250,22 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
                                  self.reduce_dtype,
                                  separate_grads=self.accumulate_while_communicating,
                                  collectives=ring_algorithm(round_group), estimate_dtype=estimate_dtype)
-        self._pieces, local_groups = self._flat.optimizer_groups(self.param_groups)
-        optimizer_kwargs = V.device_resident_state(optimizer_class, optimizer_kwargs, device)
-        try:
-            self.local_optimizer = optimizer_class(local_groups, **optimizer_kwargs)
-        except TypeError as exc:
-            raise TypeError(f"{optimizer_class.__name__} rejected optimizer_kwargs {sorted(optimizer_kwargs)}: {exc}") from exc
-        # Fill every group with the wrapped optimizer's defaults: param_groups is the live truth rounds read.
-        for key, value in self.local_optimizer.defaults.items():
-            self.defaults.setdefault(key, value)
-        for g, lg in zip(self.param_groups, self.local_optimizer.param_groups):
-            for key, value in lg.items():
-                if key != "params":
-                    g.setdefault(key, value)
+        kwargs = {cls: {} for cls in classes}
+        kwargs[optimizer_class] = V.device_resident_state(optimizer_class, optimizer_kwargs, device)
+        self._wrapped = WrappedOptimizers(self.layout, self.rank, self._flat.shard.master, self._flat.shard.grad,
+                                          self.param_groups, classes, kwargs, index_of_group)
+        # Fill every group with its wrapped optimizer's defaults: param_groups is the live truth rounds read.
+        if self._wrapped.single is not None:
+            for key, value in self._wrapped.single.defaults.items():
+                self.defaults.setdefault(key, value)
+        for gi, g in enumerate(self.param_groups):
+            for key, value in self._wrapped.defaults_of_group(gi).items():
+                g.setdefault(key, value)
 
         self.scheduler = StreamScheduler(device)
         self._flat.shard.host_empty = self.scheduler.host_empty
         ctx = RoundContext(
-            self._flat.shard, self.local_optimizer, self._pieces, round_group,
+            self._flat.shard, self._wrapped, round_group,
             # Scratch for Opt* (mode acco), and on the CUDA path for undoing a skipped step on the device.
             OptimizerSnapshot() if mode == "acco" or self.scheduler.uses_streams else None,
             max_grad_norm, nonfinite, device_checks=self.scheduler.uses_streams,
@@ -257,6 +277,14 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         self._ddp_checked = False
         self._lr_schedulers: List[Any] = []
         self._backward_queued = -1  # id of the autograd graph task whose end-of-backward callback is queued
+        self._owners = StateOwners(
+            layout=self.layout, rank=self.rank, world_size=self.world_size, flat=self._flat, wrapped=self._wrapped,
+            progress=self._progress, driver=self._driver, scheduler=self.scheduler, param_groups=self.param_groups,
+            describe=self._describe(), gather_row=self._all_gather_row,
+            view=lambda: (self._in_committed_view, self._view_swapped), hyperparams=self._hyperparams,
+            collective_group=lambda: self._driver.ctx.group if self._driver.ctx.group is not None else self._group,
+            process_group=self._group,
+        )
         self._loop = ElasticLoop(self) if self.accumulate_while_communicating else UpdateLoop(self)
         self._constructed = True  # add_param_group() from here on would change the layout: refused
         self._hook_handles = hooks.install(self, self._params, self._flat.fold_on_arrival)
@@ -281,6 +309,23 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         return cls(groups, type(optimizer), **{**V.constructor_defaults(optimizer), **options})
 
     # ------------------------------------------------------------------ state owned elsewhere
+
+    @property
+    def local_optimizer(self) -> torch.optim.Optimizer:
+        """The wrapped torch optimizer on this rank (its parameters: this rank's share of the master weights).
+        With several classes (``"optimizer_class"`` in param groups): :attr:`local_optimizers`."""
+        single = self._wrapped.single
+        if single is None:
+            raise AttributeError(
+                "AccoOptimizer.local_optimizer: this optimizer wraps several classes "
+                f"({', '.join(type(p.optimizer).__name__ for p in self._wrapped.parts)}); use local_optimizers"
+            )
+        return single
+
+    @property
+    def local_optimizers(self) -> List[torch.optim.Optimizer]:
+        """The wrapped torch optimizers on this rank, one per class, in the order of their first param group."""
+        return [part.optimizer for part in self._wrapped.parts]
 
     @property
     def microbatches_per_update(self) -> Optional[int]:
@@ -504,19 +549,27 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ checkpoints
 
+    def _describe(self) -> Dict[str, Any]:
+        """What a state dict of this optimizer holds, independent of the world size (format 3)."""
+        classes = list(dict.fromkeys(self._classes))
+        return {"format": FORMAT_VERSION, "mode": self.mode, "optimizer": "+".join(class_name(c) for c in classes),
+                "layout": self.layout.describe(),
+                "dtypes": f"compute {self.compute_dtype}, master {self._flat.master.dtype}"}
+
     def state_dict(self) -> Dict[str, Any]:
-        """This rank's shard of the state, with what it is (rank, world size, mode, optimizer, layout).
+        """This rank's share of the state, with what it is (rank, world size, mode, optimizer, layout).
 
         For ``torch.save`` on every rank, each its own file; for any world size
         use :mod:`acco.checkpoint` (DCP). Take it between a ``step()`` and the
         next ``backward()`` (``at_update_boundary``); it waits for the in-flight
         round. Local: no collective.
         """
-        return _checkpoint.state_dict(self)
+        return state_io.state_dict(self._owners)
 
     def sharded_state_dict(self) -> Dict[str, Any]:
-        """The state as 1-D DTensors for ``torch.distributed.checkpoint`` (any world size at load). Local."""
-        return _checkpoint.state_dict(self, sharded=True)
+        """The state for ``torch.distributed.checkpoint``: each rank's pieces keyed by parameter and first
+        element, so DCP writes each once and a load on any world size reads those it needs. Local."""
+        return state_io.state_dict(self._owners, sharded=True)
 
     def load_state_dict(self, state_dict: Dict[str, Any], *, restore_model: bool = False,
                         allow_new_microbatches: bool = False) -> None:
@@ -526,16 +579,20 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         ones this state was saved with (load the model saved with it first; ``restore_model=True``: the
         model may hold anything, its weights come from the state alone). A state saved with another
         ``microbatches_per_update`` is refused unless ``allow_new_microbatches=True``: then training goes on
-        with this optimizer's count (keep the global batch when the number of ranks changes). Collective:
-        call on all ranks."""
-        _checkpoint.load_state_dict(self, state_dict, restore_model=restore_model,
-                                    allow_new_microbatches=allow_new_microbatches)
+        with this optimizer's count (keep the global batch when the number of ranks changes). Checkpoints of
+        format 2 (acco before per-parameter state) load too. Collective: call on all ranks."""
+        state_io.load_state_dict(self._owners, state_dict, restore_model=restore_model,
+                                 allow_new_microbatches=allow_new_microbatches)
 
     def consolidated_state_dict(self) -> Dict[str, Any]:
-        """Full per-parameter state in the wrapped optimizer's own format. Collective."""
-        return _checkpoint.consolidated_state_dict(self)
+        """Full per-parameter state in the wrapped optimizer's own format (with several classes: each
+        parameter's state that of its class, by its index in this optimizer's groups). Collective."""
+        state_io.require_boundary(self._owners, "consolidated_state_dict")
+        self._driver.collect()
+        return state_consolidated.consolidated_state_dict(self._owners)
 
     def load_consolidated_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Take a plain optimizer's ``state_dict()``; the master comes from the model's
-        current weights. Collective: call on all ranks."""
-        _checkpoint.load_consolidated_state_dict(self, state_dict)
+        current weights. Call on all ranks (each keeps its share)."""
+        state_io.require_boundary(self._owners, "load_consolidated_state_dict")
+        state_consolidated.load_consolidated_state_dict(self._owners, state_dict, self._params)

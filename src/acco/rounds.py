@@ -43,6 +43,7 @@ import torch.distributed as dist
 from . import functional
 from .collectives import all_gather_flat, all_reduce_sum, reduce_scatter_flat
 from .snapshot import OptimizerSnapshot, skips_in_kernel
+from .wrapped import WrappedOptimizers
 
 __all__ = [
     "HyperParameterMismatchError",
@@ -119,8 +120,7 @@ class RoundContext:
     """What every round of one optimizer uses (built once)."""
 
     buffers: ShardBuffers
-    optimizer: torch.optim.Optimizer  # the wrapped optimizer, over this rank's pieces
-    pieces: List[torch.Tensor]  # its parameters: views of ``buffers.master``
+    wrapped: "WrappedOptimizers"  # the wrapped optimizer(s), over this rank's tensors (views of ``buffers.master``)
     group: Optional[dist.ProcessGroup]  # the rounds' own group (None: one process)
     snapshot: Optional[OptimizerSnapshot] = None  # Opt* of other optimizers; the CUDA path's undo
     max_grad_norm: Optional[float] = None
@@ -227,7 +227,7 @@ def run_round(ctx: RoundContext, spec: RoundSpec) -> RoundResult:
     no state yet, or keeps some on the CPU, the host decides instead (one sync
     per such round).
     """
-    b, kind, group, optimizer, params = ctx.buffers, spec.kind, ctx.group, ctx.optimizer, ctx.pieces
+    b, kind, group, wrapped = ctx.buffers, spec.kind, ctx.group, ctx.wrapped
     snapshot, nonfinite, max_grad_norm = ctx.snapshot, ctx.nonfinite, ctx.max_grad_norm
     # fill_ passes each value as a kernel argument: no copy from host memory. (``b.row[i] = value`` would
     # copy a pageable CPU scalar into device memory: a blocking copy that waits for the hand-off's backward.)
@@ -252,10 +252,13 @@ def run_round(ctx: RoundContext, spec: RoundSpec) -> RoundResult:
         b.grad.mul_(spec.grad_scale)
     norm = global_grad_norm(b.grad, group)  # one all-reduce of a scalar
 
-    for group_state, hyper in zip(optimizer.param_groups, spec.hyperparams):
-        group_state.update(hyper)
-    functional_estimate = kind is RoundKind.ESTIMATE and functional.supports(optimizer)
-    in_kernel = kind is RoundKind.COMMIT and ctx.device_checks and skips_in_kernel(optimizer)
+    wrapped.write_hyper(spec.hyperparams)
+    # An estimate computes Opt* of Adam/AdamW/SGD straight into the all-gather's input (functional); the other
+    # wrapped optimizers (Muon, Adafactor, ...) take their real step on a snapshot, restored after the all-gather.
+    computed = [part for part in wrapped.parts if kind is RoundKind.ESTIMATE and functional.supports(part.optimizer)]
+    stepped = [part for part in wrapped.parts if part not in computed]
+    in_kernel = (kind is RoundKind.COMMIT and ctx.device_checks
+                 and all(skips_in_kernel(part.optimizer) for part in stepped))
 
     report = None
     undo: Optional[torch.Tensor] = None  # device flag: as if no step (theta, the state and the estimate)
@@ -271,8 +274,8 @@ def run_round(ctx: RoundContext, spec: RoundSpec) -> RoundResult:
         # Every flag undoes the step on the device, under both policies: a non-finite gradient, and ranks that
         # handed off different rounds or hyper-parameters (their shards must not combine into weights). The
         # error itself is raised from the report, on every rank at the same hand-off (driver.read_reports).
-        if (functional_estimate or in_kernel
-                or (snapshot is not None and snapshot.restorable_on_device(optimizer, params, b.master))):
+        if (not stepped or in_kernel
+                or (snapshot is not None and snapshot.restorable_on_device(stepped, b.master))):
             undo = flags.any()
         else:  # the first step (it creates state), or a step counter on the CPU: the host decides
             _check_pairs_on_host(kind, pairs)  # a host sync here anyway: raise as the CPU path does
@@ -286,38 +289,44 @@ def run_round(ctx: RoundContext, spec: RoundSpec) -> RoundResult:
     if max_grad_norm is not None and not skipped:
         b.grad.mul_(clip_coefficient(norm, max_grad_norm).to(b.grad.dtype))
 
-    snapshotted = False  # Opt* of another optimizer: its own step on a snapshot, restored after the all-gather
-    if functional_estimate and not skipped:
+    # Opt* of the stepped optimizers: their real step on a snapshot, restored after the all-gather.
+    snapshotted = kind is RoundKind.ESTIMATE and bool(stepped) and not skipped
+    restore = undo is not None and not in_kernel and bool(stepped)  # a fused kernel skips by itself
+    if snapshotted or restore:
+        assert snapshot is not None
+        snapshot.save(stepped, b.master)
+    if not skipped and stepped:
+        if undo is not None and in_kernel:
+            for part in stepped:
+                part.optimizer.found_inf = undo.to(torch.float32)  # where set, the fused kernel takes no step at all
+        try:
+            for part in stepped:
+                part.optimizer.step()
+        finally:
+            for part in stepped:
+                part.optimizer.__dict__.pop("found_inf", None)
+        if snapshot is not None and not snapshotted:
+            snapshot.stepped = True  # the optimizers' state exists now, for every tensor that keeps one
+    if restore:
+        snapshot.restore_where(undo, stepped, b.master)  # a flag was raised: as if no step
+    if computed and not skipped:
         # Opt* computed into the all-gather's input; theta and the state are only read. Without a staging
-        # slice that input is the gradient slice itself: each chunk's gradient is read before it is overwritten.
+        # slice that input is the gradient slice itself: each chunk's gradient is read before it is overwritten
+        # (the stepped optimizers above read theirs first). Around it, the master as it stands.
         source = b.staging if b.staging is not None else b.grad
-        functional.estimate_into(source, optimizer, params, b.master)
+        for part in computed:
+            functional.estimate_into(source, part.optimizer, part.tensors, b.master)
+        functional.copy_ranges(source, b.master, wrapped.complement(computed))
         if undo is not None:  # a flag was raised: the estimate is theta itself
             torch.where(undo, b.master.to(source.dtype), source, out=source)
     else:
-        snapshotted = kind is RoundKind.ESTIMATE and not skipped
-        restore = undo is not None and not in_kernel  # a fused kernel skips by itself: no snapshot
-        if snapshotted or restore:
-            assert snapshot is not None
-            snapshot.save(optimizer, params, b.master)
-        if not skipped:
-            if undo is not None and in_kernel:
-                optimizer.found_inf = undo.to(torch.float32)  # where set, the fused kernel takes no step at all
-            try:
-                optimizer.step()
-            finally:
-                optimizer.__dict__.pop("found_inf", None)
-            if snapshot is not None and not snapshotted:
-                snapshot.stepped = True  # the optimizer's state exists now, for every piece that keeps one
-        if restore:
-            snapshot.restore_where(undo, optimizer, params, b.master)  # a flag was raised: as if no step
         source = b.master if b.staging is None else b.staging.copy_(b.master)
     if low:  # the estimate travels in estimate_dtype: theta~ is only where the next half's gradients are taken
         all_gather_flat(b.comm_low, b.low_slice.copy_(source), group, b.collectives)
     else:
         all_gather_flat(b.weights, source, group, b.collectives)  # every rank's new slice -> full weights
     if snapshotted:
-        snapshot.restore(optimizer, params, b.master)  # Opt*: leave theta and state untouched
+        snapshot.restore(stepped, b.master)  # Opt*: leave theta and state untouched
     return RoundResult(kind, spec.local_microbatches, b.count, b.rank_counts, norm, skipped, report)
 
 

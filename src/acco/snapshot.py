@@ -11,7 +11,7 @@ No collective.
 from __future__ import annotations
 
 import copy
-from typing import Any, Dict, List, Optional, Sequence
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -26,12 +26,19 @@ def skips_in_kernel(optimizer: torch.optim.Optimizer) -> bool:
         g.get("fused") and not g.get("differentiable") for g in optimizer.param_groups)
 
 
+def _pairs(parts: Sequence[Any]) -> List[Tuple[torch.optim.Optimizer, torch.Tensor]]:
+    """(optimizer, tensor) of every tensor the wrapped optimizers ``parts`` step, in a fixed order."""
+    return [(part.optimizer, t) for part in parts for t in part.tensors]
+
+
 class OptimizerSnapshot:
     """Scratch copy of the master slice and the optimizer state, for ``Opt*``.
 
     Buffers are allocated once and reused (``copy_``), so an estimate round costs
     at most one extra master slice and one extra state slice (``12 Phi / N``
-    bytes for AdamW), and tensors keep their addresses across rounds.
+    bytes for AdamW), and tensors keep their addresses across rounds. ``parts``
+    are the wrapped optimizers (:class:`~acco.wrapped.Part`) whose step is
+    taken: the same list at ``save`` and ``restore``.
     """
 
     def __init__(self) -> None:
@@ -40,11 +47,11 @@ class OptimizerSnapshot:
         self._state: Dict[int, Dict[str, Any]] = {}
         self._had_state: Dict[int, bool] = {}
 
-    def save(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], master: torch.Tensor) -> None:
+    def save(self, parts: Sequence[Any], master: torch.Tensor) -> None:
         if self._master is None:
             self._master = torch.empty_like(master)
         self._master.copy_(master)
-        for i, p in enumerate(params):
+        for i, (optimizer, p) in enumerate(_pairs(parts)):
             state = optimizer.state.get(p)
             self._had_state[i] = bool(state)
             if not state:
@@ -68,12 +75,12 @@ class OptimizerSnapshot:
         out = [] if self._master is None else [self._master]
         return out + [v for st in self._state.values() for v in st.values() if torch.is_tensor(v)]
 
-    def restorable_on_device(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], master: torch.Tensor) -> bool:
+    def restorable_on_device(self, parts: Sequence[Any], master: torch.Tensor) -> bool:
         """Whether :meth:`restore_where` can undo a step without the host: all the state is tensors on the
-        master's device, and a piece without state is one the optimizer keeps none for (``stepped``: a step has
+        master's device, and a tensor without state is one the optimizer keeps none for (``stepped``: a step has
         been applied since, e.g. SGD without momentum). Not so before the first step (it creates state that
         would have to be dropped), or for a step counter on the CPU."""
-        for p in params:
+        for optimizer, p in _pairs(parts):
             state = optimizer.state.get(p)
             if not state:
                 if not self.stepped:
@@ -84,26 +91,24 @@ class OptimizerSnapshot:
                     return False
         return True
 
-    def restore_where(
-        self, undo: torch.Tensor, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], master: torch.Tensor
-    ) -> None:
+    def restore_where(self, undo: torch.Tensor, parts: Sequence[Any], master: torch.Tensor) -> None:
         """Where the device flag ``undo`` is set, put back what :meth:`save` saw; else keep the step. No host sync.
 
         Needs :meth:`restorable_on_device` to have held at :meth:`save`.
         """
         assert self._master is not None, "restore_where() without save()"
         torch.where(undo, self._master, master, out=master)
-        for i, p in enumerate(params):
+        for i, (optimizer, p) in enumerate(_pairs(parts)):
             if not self._had_state[i]:
-                continue  # a piece the optimizer keeps no state for
+                continue  # a tensor the optimizer keeps no state for
             state, saved = optimizer.state[p], self._state[i]
             for key, value in saved.items():
                 torch.where(undo.to(value.device), value, state[key], out=state[key])
 
-    def restore(self, optimizer: torch.optim.Optimizer, params: Sequence[torch.Tensor], master: torch.Tensor) -> None:
+    def restore(self, parts: Sequence[Any], master: torch.Tensor) -> None:
         assert self._master is not None, "restore() without save()"
         master.copy_(self._master)
-        for i, p in enumerate(params):
+        for i, (optimizer, p) in enumerate(_pairs(parts)):
             if not self._had_state[i]:
                 optimizer.state.pop(p, None)
                 continue

@@ -1,0 +1,191 @@
+"""Taking and restoring an optimizer's state: ``opt.state_dict()``, its DCP form, and ``opt.load_state_dict()``
+with everything a load refuses (agreed on by every rank before any rank changes anything).
+
+The entries are :mod:`acco.state_pieces`'s, their description :mod:`acco.state_format`'s; format 2 is read
+through :mod:`acco.state_legacy`. The optimizer hands in the owners of its state (:class:`StateOwners`).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Optional
+
+import torch
+
+from . import state_legacy
+from .checksums import CheckpointError, checksums, verify
+from .progress import Progress
+from .state_format import (
+    StateOwners,
+    check_compatible,
+    classify,
+    decode_meta,
+    encode_meta,
+    hyper_entries,
+    own_entry,
+    restore_hyper,
+)
+from .state_pieces import Saved, entries, restore
+
+__all__ = ["check_loadable", "load_state_dict", "require_boundary", "state_dict"]
+
+
+def require_boundary(owners: StateOwners, what: str) -> None:
+    failed = owners.driver.failed
+    if failed is not None:
+        raise RuntimeError(f"AccoOptimizer.{what}(): a previous round failed") from failed
+    in_view, _ = owners.view()
+    if what.startswith("load") and in_view:
+        raise RuntimeError(f"AccoOptimizer.{what}() inside opt.committed_weights(): load after the block")
+    if not owners.progress.at_boundary:
+        pending = owners.progress.pending_microbatches()
+        raise RuntimeError(
+            f"AccoOptimizer.{what}() at a mid-update point: {pending} micro-batch(es) of an update are "
+            "accumulated but not committed. Call it between a step() and the next backward() "
+            "(when opt.at_update_boundary is True)."
+        )
+
+
+def _covered(body: Dict[str, Any], info: Dict[str, Any]) -> Dict[str, Any]:
+    """What a per-rank state dict's checksums cover: its tensors and what it says it is (mode, optimizer, ...)."""
+    return {"optim": body, "meta": encode_meta(info)}
+
+
+def state_dict(owners: StateOwners, sharded: bool = False) -> Dict[str, Any]:
+    """This rank's state (``sharded``: the form for DCP, without rank and checksums). Local: no collective."""
+    require_boundary(owners, "state_dict")
+    owners.driver.collect()  # the in-flight commit: its weights stay pending in the round buffer
+    owners.driver.read_reports()  # CUDA path: the skip counter is final only once the device has run the rounds
+    out: Dict[str, Any] = {**entries(owners), "hyper": hyper_entries(owners.param_groups),
+                           "counters": owners.progress.to_tensor()}
+    if sharded:
+        out["meta"] = encode_meta(owners.describe)
+    else:
+        info = {**owners.describe, "rank": owners.rank, "world_size": owners.world_size}
+        out["checksums"] = checksums(_covered(out, info))
+        out["acco"] = info
+    return out
+
+
+def _agree(owners: StateOwners, error: Optional[BaseException]) -> None:
+    """Raise on every rank if any rank refused its state dict, before any collective of the load
+    (one rank loading while another refused would leave the ranks in different collectives). Collective."""
+    rows = owners.gather_row([int(error is not None)], "load_state_dict() / acco.checkpoint.load()")
+    refused = [r for r, row in enumerate(rows) if row[0]]
+    if error is not None:
+        raise error
+    if refused:
+        raise ValueError(
+            f"AccoOptimizer.load_state_dict(): rank(s) {refused} refused their state dict (their error says why); "
+            "nothing was loaded on any rank"
+        )
+
+
+def _saved(owners: StateOwners, sd: Dict[str, Any], info: Dict[str, Any]) -> Saved:
+    if state_legacy.is_legacy(info):
+        return Saved(state_legacy.to_saved(owners.layout, owners.rank, sd))
+    return Saved(sd)
+
+
+def check_model_matches(owners: StateOwners, saved: Saved, counters: torch.Tensor) -> None:
+    """Refuse a model that is not the one this optimizer state was saved with (a model and an optimizer from
+    different checkpoints). Free to check: the model was saved with the committed weights, which are the fp32
+    master's (in bf16 its rounding), or with the weights for the next micro-batch (``params``). Local."""
+    _, swapped = owners.view()
+    pieces = owners.layout.pieces(owners.rank)
+    diff, ok = 0.0, True
+    for i, _ in owners.wrapped.held():
+        pc = pieces[i]
+        key = (i, pc.param_start)
+        if key not in saved.master:
+            continue
+        model = owners.flat.model_piece(i, pc, swapped)
+        master = saved.master[key].reshape(-1).to(model.device, model.dtype)
+        params = saved.params[key].reshape(-1).to(model.device, model.dtype)
+        if not (torch.equal(model, master) or torch.equal(model, params)):
+            ok = False
+            if model.numel():
+                diff = max(diff, float((model.float() - master.float()).abs().max()))
+    if ok:
+        return
+    updates = Progress.saved_field(counters, "num_updates")
+    raise ValueError(
+        f"AccoOptimizer.load_state_dict(): the model's weights are not the ones this optimizer state was saved "
+        f"with (it holds {updates} committed update(s); largest difference from its committed weights on rank "
+        f"{owners.rank}: {diff:.3g}). The model comes from another checkpoint or was not loaded, and resuming would "
+        "mix two points of training. Load the model saved with this optimizer state first (saved inside "
+        "opt.committed_weights(); acco.checkpoint.gather or acco.checkpoint.save(..., model=model) save both "
+        "in one call), or, to take the model's weights from this optimizer state alone, call "
+        "opt.load_state_dict(sd, restore_model=True). Nothing was loaded."
+    )
+
+
+def check_loadable(owners: StateOwners, sd: Dict[str, Any], restore_model: bool = True,
+                   allow_new_microbatches: bool = False) -> None:
+    """Everything :func:`load_state_dict` refuses, checked on every rank and agreed on before any rank changes
+    anything (a refusal on one rank raises on all). Collective."""
+    error: Optional[BaseException] = None
+    try:
+        sd = own_entry(sd, owners.rank, owners.world_size)
+        kind = classify(sd)
+        info = sd["acco"] if kind == "rank_shard" else decode_meta(sd["meta"])
+        check_compatible(owners.describe, info, kind == "rank_shard", owners.rank, owners.world_size)
+        legacy = state_legacy.is_legacy(info)
+        if kind == "rank_shard":
+            if not isinstance(sd.get("checksums"), dict):
+                raise CheckpointError("AccoOptimizer.load_state_dict(): the state dict has no checksums. Nothing was loaded.")
+            body = {k: v for k, v in sd.items() if k not in ("acco", "checksums")}
+            got = (state_legacy.checksums(_covered(body, info), owners.rank, owners.layout.shard_size) if legacy
+                   else checksums(_covered(body, info)))
+            verify(got, sd["checksums"], "AccoOptimizer.load_state_dict()")
+        elif legacy:
+            listed, held = len(sd["state"]) + len(sd["scalars"]), info.get("state_entries")
+            if held is not None and listed != held:
+                raise ValueError(
+                    f"AccoOptimizer.load_state_dict(): the checkpoint holds {held} optimizer-state entries, the "
+                    f"state dict it was loaded into listed {listed}. Load with acco.checkpoint.load(path, opt), "
+                    "which builds the complete target from the checkpoint. Nothing was loaded."
+                )
+        saved = _saved(owners, sd, info)
+        saved.check_complete()
+        try:
+            Progress.check_saved(sd["counters"])
+        except ValueError as exc:
+            raise CheckpointError(f"AccoOptimizer.load_state_dict(): {exc}: written by another acco version. "
+                                  "Nothing was loaded.") from None
+        saved_m = Progress.saved_field(sd["counters"], "microbatches_per_update") or None
+        mine_m = owners.progress.microbatches_per_update
+        if saved_m is not None and mine_m not in (None, saved_m) and not allow_new_microbatches:
+            raise ValueError(
+                f"AccoOptimizer.load_state_dict(): the state dict was written with microbatches_per_update="
+                f"{saved_m}, this optimizer has {mine_m}. To go on with {mine_m} (e.g. the same global batch on "
+                "fewer ranks), pass allow_new_microbatches=True (opt.load_state_dict or acco.checkpoint.load); "
+                f"otherwise build the optimizer with microbatches_per_update={saved_m}. Nothing was loaded."
+            )
+        require_boundary(owners, "load_state_dict")
+        if kind == "rank_shard" and not restore_model:
+            check_model_matches(owners, saved, sd["counters"])
+    except Exception as exc:  # whatever it is, every rank must hear of it before the load's collectives
+        error = exc
+    _agree(owners, error)
+
+
+def load_state_dict(owners: StateOwners, sd: Dict[str, Any], checked: bool = False, restore_model: bool = True,
+                    allow_new_microbatches: bool = False) -> None:
+    """Restore :func:`state_dict` output: this rank's own (same world size), or the sharded form through DCP
+    (any world size: the pieces read need only cover this rank's). Refuses anything else before changing any
+    state; with ``restore_model=False``, also a model that is not the one the state was saved with. Collective."""
+    if not checked:
+        check_loadable(owners, sd, restore_model, allow_new_microbatches)
+    sd = own_entry(sd, owners.rank, owners.world_size)
+    info = sd["acco"] if classify(sd) == "rank_shard" else decode_meta(sd["meta"])
+    owners.driver.collect()
+    restore(owners, _saved(owners, sd, info))
+    flat = owners.flat
+    if owners.progress.load_tensor(sd["counters"]):  # a commit collected at save time: in at the next hand-off
+        from .collectives import all_gather_flat
+
+        with torch.no_grad():
+            all_gather_flat(flat.comm_weights, flat.master.to(flat.compute_dtype), owners.collective_group())
+    flat.reset()
+    restore_hyper(owners.param_groups, sd["hyper"])
+    owners.progress.update_hyper = owners.hyperparams()
