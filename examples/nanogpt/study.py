@@ -101,34 +101,50 @@ def key(record_or_run, config: Optional[dict] = None) -> tuple:
     return (method, float(lr), int(seed), json.dumps(config, sort_keys=True))
 
 
+def launch(script: str, flags: List[str], overrides: List[str], out: Path) -> Tuple[list, list, Optional[list], float]:
+    """One run of ``script`` under torchrun (2 CPU ranks, one thread each), through ``instrument.py`` with
+    ``flags``; returns its held-out evaluations, its per-update training log, the estimate-gap log (or None) and
+    its wall-clock seconds. Raises if the run fails."""
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+           str(HERE / "instrument.py"), *flags, str(HERE / script), f"--out_dir={out}", *overrides]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    start = time.time()
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    wall = time.time() - start
+    if proc.returncode != 0:
+        raise RuntimeError(f"run failed (exit {proc.returncode}):\n$ {' '.join(cmd)}\n"
+                           f"{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
+    evals = json.loads((out / "log.json").read_text())
+    train = json.loads((out / "train_log.json").read_text())
+    gap_file = out / "estimate_gap.json"
+    gaps = json.loads(gap_file.read_text()) if gap_file.exists() else None
+    return evals, train, gaps, wall
+
+
+def machine() -> dict:
+    """Where a record was made."""
+    import torch  # noqa: PLC0415 (only for the version in the record)
+
+    return {"torch": torch.__version__, "cpus": os.cpu_count(), "machine": platform.machine(),
+            "date": datetime.date.today().isoformat()}
+
+
 def run_one(method: str, lr: float, seed: int, config: dict, workdir: Path) -> dict:
     """One training run; returns its record (raises if the run fails)."""
     script, extra, flags = METHODS[method]
-    out = workdir / f"{method}-lr{lr:g}-s{seed}"
-    out.mkdir(parents=True, exist_ok=True)
     overrides = [
-        f"--out_dir={out}", f"--seed={seed}", f"--learning_rate={lr}", f"--min_lr={lr * config['min_lr_ratio']}",
+        f"--seed={seed}", f"--learning_rate={lr}", f"--min_lr={lr * config['min_lr_ratio']}",
         f"--n_layer={config['n_layer']}", f"--n_head={config['n_head']}", f"--n_embd={config['n_embd']}",
         f"--block_size={config['block_size']}", f"--batch_size={config['batch_size']}",
         f"--gradient_accumulation_steps={config['gradient_accumulation_steps']}",
         f"--max_iters={config['max_iters']}", f"--warmup_iters={config['warmup_iters']}",
         f"--eval_interval={config['eval_interval']}", f"--eval_iters={config['eval_iters']}", *extra,
     ]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           str(HERE / "instrument.py"), *flags, str(HERE / script), *overrides]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    start = time.time()
-    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
-    wall = time.time() - start
-    if proc.returncode != 0:
-        raise RuntimeError(f"run {method} lr={lr:g} seed={seed} failed (exit {proc.returncode}):\n"
-                           f"$ {' '.join(cmd)}\n{proc.stdout[-3000:]}\n{proc.stderr[-3000:]}")
-    evals = json.loads((out / "log.json").read_text())
-    train = json.loads((out / "train_log.json").read_text())
-    gap_file = out / "estimate_gap.json"
-    gaps = json.loads(gap_file.read_text()) if gap_file.exists() else None
-    import torch  # noqa: PLC0415 (only for the version in the record)
-
+    try:
+        evals, train, gaps, wall = launch(script, flags, overrides, workdir / f"{method}-lr{lr:g}-s{seed}")
+    except RuntimeError as exc:
+        raise RuntimeError(f"run {method} lr={lr:g} seed={seed}: {exc}") from None
     return {
         "method": method, "lr": lr, "seed": seed, "config": config,
         "final_val_loss": evals[-1]["val_loss"],
@@ -138,8 +154,7 @@ def run_one(method: str, lr: float, seed: int, config: dict, workdir: Path) -> d
         "update_norm": [g["update_norm"] for g in gaps] if gaps else None,
         "wall_s": round(wall, 1),
         "tokens_per_update": config["batch_size"] * config["block_size"] * config["gradient_accumulation_steps"] * 2,
-        "torch": torch.__version__, "cpus": os.cpu_count(), "machine": platform.machine(),
-        "date": datetime.date.today().isoformat(),
+        **machine(),
     }
 
 

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import sys
+import time
 
 import torch
 import torch.nn.functional as F
@@ -27,6 +28,9 @@ batch_size = 4
 block_size = 64
 n_layer, n_head, n_embd = 2, 2, 64
 learning_rate, min_lr, warmup_iters, max_iters = 1e-3, 1e-4, 5, 60
+schedule, cooldown_iters = "cosine", 0  # or "wsd": warm-up, constant, then linear to min_lr over the last cooldown_iters
+keep_ckpts = ""  # comma-separated iterations whose checkpoint is also kept as ckpt-<iter>.pt (to branch from)
+resume_from = "ckpt.pt"  # the checkpoint --init_from=resume loads (relative to out_dir)
 weight_decay, beta1, beta2, grad_clip = 0.1, 0.9, 0.95, 1.0
 stop_at = -1  # stop (as if killed) after this iteration, for resume tests
 seed = 0  # model init and data order
@@ -62,7 +66,7 @@ groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, 
 optimizer = torch.optim.AdamW(groups, lr=learning_rate, betas=(beta1, beta2))
 iter_num = 0
 if init_from == "resume":
-    checkpoint = torch.load(os.path.join(out_dir, "ckpt.pt"), weights_only=True)
+    checkpoint = torch.load(os.path.join(out_dir, resume_from), weights_only=True)
     model.load_state_dict(checkpoint["model"])
     optimizer.load_state_dict(checkpoint["optimizer"])
     iter_num = checkpoint["iter_num"]
@@ -73,6 +77,8 @@ raw_model = model.module
 def get_lr(it):
     if it < warmup_iters:
         return learning_rate * (it + 1) / (warmup_iters + 1)
+    if schedule == "wsd":
+        return learning_rate - (learning_rate - min_lr) * max(0, it - max_iters + cooldown_iters) / max(1, cooldown_iters)
     ratio = (it - warmup_iters) / (max_iters - warmup_iters)
     return min_lr + 0.5 * (1.0 + math.cos(math.pi * ratio)) * (learning_rate - min_lr)
 
@@ -85,21 +91,24 @@ def estimate_loss():
     return losses.mean().item()
 
 
-log, train_log = [], []
+log, train_log, keep, train_time = [], [], {int(i) for i in keep_ckpts.split(",") if i}, 0.0
 while True:
     lr = get_lr(iter_num)
     for param_group in optimizer.param_groups:
         param_group["lr"] = lr
-    if iter_num % eval_interval == 0 and master_process:
+    save = iter_num > 0 and (iter_num % eval_interval == 0 or iter_num in keep)
+    if (iter_num % eval_interval == 0 or iter_num == max_iters) and master_process:
         val_loss = estimate_loss()
         log.append({"iter": iter_num, "val_loss": val_loss})
         print(f"iter {iter_num}: val loss {val_loss:.4f}", flush=True)
-        if iter_num > 0:
-            checkpoint = {"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(), "iter_num": iter_num}
-            torch.save(checkpoint, os.path.join(out_dir, "ckpt.pt"))
+    if save and master_process:
+        checkpoint = {"model": raw_model.state_dict(), "optimizer": optimizer.state_dict(), "iter_num": iter_num}
+        torch.save(checkpoint, os.path.join(out_dir, "ckpt.pt"))
+        if iter_num in keep:
+            torch.save(checkpoint, os.path.join(out_dir, f"ckpt-{iter_num}.pt"))
     if iter_num == max_iters or iter_num == stop_at:
         break
-    train_loss = 0.0
+    train_loss, t0 = 0.0, time.perf_counter()
     for micro_step in range(gradient_accumulation_steps):
         model.require_backward_grad_sync = micro_step == gradient_accumulation_steps - 1
         x, y = get_batch("train", iter_num, micro_step)
@@ -110,7 +119,8 @@ while True:
         torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    train_log.append({"iter": iter_num, "train_loss": train_loss})
+    train_time += time.perf_counter() - t0  # training only: evaluations and checkpoints are not counted
+    train_log.append({"iter": iter_num, "train_loss": train_loss, "time": train_time})
     iter_num += 1
 
 if master_process:

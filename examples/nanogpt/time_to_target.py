@@ -1,0 +1,312 @@
+"""Time to target (docs/convergence.md): how many updates, and how much time, ACCO needs to reach DDP's model.
+
+    python examples/nanogpt/time_to_target.py                 # run what is missing (resumable), then report
+    python examples/nanogpt/time_to_target.py --report-only   # tables and plot from the records alone
+
+The target is DDP's final held-out loss at DDP's best learning rate. Every loss
+compared is the end of a fully decayed schedule, never the middle of one: a
+run cut short in a cosine has not decayed yet, which flatters the method that
+is behind. The schedule is warm-up, constant, then a linear cool-down over the
+last ``--cooldown-frac`` of the run (WSD). One *trunk* per method, LR, warm-up
+and seed trains at the constant rate and keeps checkpoints; each *branch*
+resumes one of them at ``S = (1 - cooldown_frac) * T`` and cools down to ``T``.
+So a method's fully decayed loss at several lengths ``T`` costs one trunk and a
+short branch per length.
+
+Updates to target: for each seed, the target is DDP's fully decayed loss at
+``T_DDP`` (500 and 1500 updates). A method's branches are run at
+``T_DDP * r`` for r in 1, then 13/12, 14/12 while the loss is still above the
+target, or 11/12 if it is already below; the updates it needs are interpolated
+linearly between the two branches that bracket the target. The ratio to
+``T_DDP`` is the updates ratio. Time to target is that count times the
+method's measured time per update (``benchmarks/`` on the netns testbed),
+against DDP's.
+
+Every run is a nanoGPT-style loop of this folder (``train_ddp.py``,
+``train_acco.py``, unchanged) under torchrun on 2 CPU ranks; a resumed ACCO
+branch starts, as every resumed ACCO run does, with one synchronous update
+(docs/algorithm.md). Records are appended to ``--records``, one line per
+finished run; trunks keep their checkpoints under ``--workdir`` (a trunk whose
+checkpoints are gone is run again when a branch needs it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import shutil
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Dict, List, Optional, Tuple
+
+from study import ROOT, launch, load_records, machine
+
+# method -> (script, its settings, instrument.py's flags): DDP + AdamW, ACCO as the paper has it, ACCO with the
+# estimate's gradients in bf16 (docs/usage.md: estimate_dtype).
+METHODS: Dict[str, Tuple[str, List[str], List[str]]] = {
+    "ddp": ("train_ddp.py", [], []),
+    "acco": ("train_acco.py", [], []),
+    "acco-bf16": ("train_acco.py", [], ["--acco-option=estimate_dtype=bfloat16"]),
+}
+RATIOS = (11 / 12, 1.0, 13 / 12, 14 / 12)  # the branch lengths searched, as multiples of DDP's length
+BEGIN, END = "<!-- time-to-target:begin (written by examples/nanogpt/time_to_target.py) -->", "<!-- time-to-target:end -->"
+
+
+# ----------------------------------------------------------------------------- the plan
+
+
+def config_of(args: argparse.Namespace) -> dict:
+    """What makes two runs comparable (besides method, LR, seed, warm-up, length and floor): in every record."""
+    return {
+        "n_layer": args.n_layer, "n_head": args.n_head, "n_embd": args.n_embd, "block_size": args.block_size,
+        "batch_size": args.batch_size, "gradient_accumulation_steps": args.accum, "eval_interval": args.eval_interval,
+        "eval_iters": args.eval_iters, "world_size": 2, "schedule": "wsd", "cooldown_frac": args.cooldown_frac,
+    }
+
+
+def lines(args: argparse.Namespace) -> List[dict]:
+    """The (method, lr, warm-up, seed) lines of the study, most important first.
+
+    At the main warm-up (the first of ``--warmups``), seed by seed: DDP at ``--lr`` and at ``--ddp-lrs``, then
+    every ACCO method at ``--lr``. Then the other warm-ups: DDP and the first ACCO method, at ``--lr``. A line's
+    ``branches`` are the (T, floor) it always runs (DDP: every length at floor 0, and the other floors at the
+    main warm-up's longest length or the other warm-ups' shortest); an ACCO line instead searches its
+    updates-to-target (``search``) for each of DDP's (T, floor) at its LR."""
+    main_w, longest, shortest = args.warmups[0], max(args.lengths), min(args.lengths)
+    out = []
+    for w in args.warmups:
+        floors_at = longest if w == main_w else shortest
+        fixed = [(t, 0.0) for t in args.lengths] + [(floors_at, f) for f in args.floors if f]
+        for seed in args.seeds:
+            for m in (args.methods if w == main_w else args.methods[:2]):
+                lrs = [args.lr] + (args.ddp_lrs if m == "ddp" and w == main_w else [])
+                for lr in lrs:
+                    out.append({"method": m, "lr": lr, "warmup": w, "seed": seed,
+                                "branches": fixed if m == "ddp" else [], "search": [] if m == "ddp" else fixed,
+                                "rank": (w != main_w, seed, m != "ddp", lr != args.lr)})
+    return sorted(out, key=lambda x: x["rank"])
+
+
+def trunk_length(args: argparse.Namespace, line: dict) -> int:
+    """A trunk runs to the start of the last branch its line may need."""
+    if line["branches"]:
+        return max(start_of(t, args.cooldown_frac) for t, _ in line["branches"])
+    return max(start_of(length_of(t, r), args.cooldown_frac) for t, _ in line["search"] for r in RATIOS)
+
+
+def length_of(t_ddp: int, ratio: float) -> int:
+    return int(round(t_ddp * ratio))
+
+
+def start_of(t: int, cooldown_frac: float) -> int:
+    return int(round(t * (1 - cooldown_frac)))
+
+
+def trunk_keeps(args: argparse.Namespace) -> List[int]:
+    """The iterations whose checkpoints a trunk keeps: the start of every branch any line may need."""
+    return sorted({start_of(length_of(t, r), args.cooldown_frac) for t in args.lengths for r in RATIOS})
+
+
+def line_key(r: dict) -> tuple:
+    return (r["method"], float(r["lr"]), int(r["warmup"]), int(r["seed"]), json.dumps(r["config"], sort_keys=True))
+
+
+def branch_key(r: dict) -> tuple:
+    return line_key(r) + (int(r["T"]), float(r["floor"]))
+
+
+def trunk_dir(args: argparse.Namespace, line: dict) -> Path:
+    return args.workdir / f"{line['method']}-lr{line['lr']:g}-w{line['warmup']}-s{line['seed']}"
+
+
+# ----------------------------------------------------------------------------- what the records say
+
+
+def branches_of(records: List[dict], line: dict, config: dict) -> Dict[Tuple[int, float], float]:
+    """(T, floor) -> final held-out loss of the line's branches."""
+    k = line_key({**line, "config": config})
+    return {(int(r["T"]), float(r["floor"])): r["final_val_loss"] for r in records
+            if r["kind"] == "branch" and line_key(r) == k}
+
+
+def target_of(records: List[dict], line: dict, config: dict, t_ddp: int, floor: float) -> Optional[float]:
+    """DDP's fully decayed loss at ``t_ddp`` for the line's seed, LR and warm-up (None until it is run)."""
+    ddp = {**line, "method": "ddp"}
+    return branches_of(records, ddp, config).get((t_ddp, floor))
+
+
+def search_state(losses: Dict[Tuple[int, float], float], target: float, t_ddp: int,
+                 floor: float) -> Tuple[Optional[int], Optional[dict]]:
+    """The next branch length the search needs (or None), and when the search is done its result:
+    ``{"updates": T*, "ratio": T*/T_DDP, "bracket": [..]}`` where ``T*`` is interpolated between the two branches
+    that bracket the target; ``"updates"`` is None (and ``"bound"`` says which side) if no run brackets it."""
+    seen = {r: losses.get((length_of(t_ddp, r), floor)) for r in RATIOS}
+    one = seen[1.0]
+    if one is None:
+        return length_of(t_ddp, 1.0), None
+    order = [r for r in RATIOS if r >= 1.0] if one > target else [1.0, RATIOS[0]]
+    for a, b in zip(order, order[1:]):
+        la, lb = seen[a], seen[b]
+        if lb is None:
+            if (la > target) == (one > target):
+                return length_of(t_ddp, b), None
+            break
+        hi, lo = (a, b) if la > lb else (b, a)
+        if seen[hi] > target >= seen[lo]:
+            ta, tb = length_of(t_ddp, hi), length_of(t_ddp, lo)
+            t_star = ta + (tb - ta) * (seen[hi] - target) / (seen[hi] - seen[lo])
+            return None, {"updates": t_star, "ratio": t_star / t_ddp, "bracket": [ta, tb]}
+    if one > target:
+        return None, {"updates": None, "ratio": None, "bound": f"> {RATIOS[-1]:.3f}"}
+    return None, {"updates": None, "ratio": None, "bound": f"< {RATIOS[0]:.3f}"}
+
+
+def next_job(args: argparse.Namespace, records: List[dict]) -> Optional[dict]:
+    """The first job of the plan that the records lack: a trunk, a fixed branch, or the next branch of a search."""
+    config = config_of(args)
+    for line in lines(args):
+        trunk = {**line, "config": config}
+        has_trunk = any(r["kind"] == "trunk" and line_key(r) == line_key(trunk) for r in records)
+        losses = branches_of(records, line, config)
+        wanted = [b for b in line["branches"] if b not in losses]
+        for t_ddp, floor in line["search"]:
+            target = target_of(records, line, config, t_ddp, floor)
+            if target is None:
+                continue  # DDP's line (earlier in the plan, or not in it) has not run this branch yet
+            t, _ = search_state(losses, target, t_ddp, floor)
+            if t is not None:
+                wanted.append((t, floor))
+        if not has_trunk:
+            return {"kind": "trunk", "line": line}
+        if wanted:
+            t, floor = wanted[0]
+            return {"kind": "branch", "line": line, "T": t, "floor": floor}
+    return None
+
+
+# ----------------------------------------------------------------------------- running
+
+
+def overrides_of(args: argparse.Namespace, line: dict) -> List[str]:
+    return [f"--seed={line['seed']}", f"--learning_rate={line['lr']}", f"--warmup_iters={line['warmup']}",
+            f"--n_layer={args.n_layer}", f"--n_head={args.n_head}", f"--n_embd={args.n_embd}",
+            f"--block_size={args.block_size}", f"--batch_size={args.batch_size}",
+            f"--gradient_accumulation_steps={args.accum}", f"--eval_interval={args.eval_interval}",
+            f"--eval_iters={args.eval_iters}", "--schedule=wsd", *METHODS[line["method"]][1]]
+
+
+def record_of(args: argparse.Namespace, job: dict, evals: list, train: list, wall: float) -> dict:
+    line = job["line"]
+    return {
+        "kind": job["kind"], "method": line["method"], "lr": line["lr"], "warmup": line["warmup"],
+        "seed": line["seed"], "config": config_of(args), "T": job.get("T", trunk_length(args, line)), "floor": job.get("floor"),
+        "start": job.get("start", 0), "final_val_loss": evals[-1]["val_loss"],
+        "val": [[e["iter"], e["val_loss"]] for e in evals],
+        "train_loss": [t["train_loss"] for t in train], "train_s": train[-1]["time"] if train else 0.0,
+        "wall_s": round(wall, 1),
+        "tokens_per_update": args.batch_size * args.block_size * args.accum * 2, **machine(),
+    }
+
+
+def run_trunk(args: argparse.Namespace, line: dict) -> dict:
+    out = trunk_dir(args, line)
+    shutil.rmtree(out, ignore_errors=True)
+    script, _, flags = METHODS[line["method"]]
+    keeps = ",".join(str(i) for i in trunk_keeps(args))
+    evals, train, _, wall = launch(script, flags, overrides_of(args, line) + [
+        f"--max_iters={trunk_length(args, line)}", "--cooldown_iters=0", f"--min_lr={line['lr']}", f"--keep_ckpts={keeps}"], out)
+    return record_of(args, {"kind": "trunk", "line": line}, evals, train, wall)
+
+
+def run_branch(args: argparse.Namespace, job: dict, tmp: Path) -> dict:
+    line, t, floor = job["line"], job["T"], job["floor"]
+    start = start_of(t, args.cooldown_frac)
+    ckpt = trunk_dir(args, line) / f"ckpt-{start}.pt"
+    if not ckpt.exists():  # the records have the trunk, this machine not its checkpoints: run it again
+        print(f"  trunk checkpoint {ckpt} missing: running the trunk again", flush=True)
+        run_trunk(args, line)
+    script, _, flags = METHODS[line["method"]]
+    out = tmp / f"branch-{t}"
+    evals, train, _, wall = launch(script, flags, overrides_of(args, line) + [
+        f"--max_iters={t}", f"--cooldown_iters={t - start}", f"--min_lr={line['lr'] * floor}",
+        "--init_from=resume", f"--resume_from={ckpt.resolve()}"], out)
+    return record_of(args, {**job, "start": start}, evals, train, wall)
+
+
+def run_missing(args: argparse.Namespace) -> None:
+    args.records.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="ttt-") as tmp:
+        while True:
+            job = next_job(args, load_records(args.records))
+            if job is None:
+                break
+            line = job["line"]
+            what = (f"{job['kind']} {line['method']} lr={line['lr']:g} warm-up {line['warmup']} seed {line['seed']}"
+                    + (f" T={job['T']} floor {job['floor']:g}" if job["kind"] == "branch" else ""))
+            print(f"time to target: {what} ...", flush=True)
+            for attempt in (1, 2):  # once more: a shared machine can kill a run (the study is hours long)
+                try:
+                    record = run_trunk(args, line) if job["kind"] == "trunk" else run_branch(args, job, Path(tmp))
+                    break
+                except RuntimeError as exc:
+                    if attempt == 2:
+                        raise
+                    print(f"{exc}\nretrying once", file=sys.stderr, flush=True)
+            with open(args.records, "a") as f:
+                f.write(json.dumps(record) + "\n")  # one line per finished run: the study resumes from here
+            print(f"  final held-out loss {record['final_val_loss']:.4f} ({record['wall_s']:.0f} s)", flush=True)
+
+
+# ----------------------------------------------------------------------------- the report (records only)
+
+
+def parse(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--records", type=Path, default=ROOT / "docs" / "convergence_data" / "time_to_target.jsonl")
+    p.add_argument("--doc", type=Path, default=ROOT / "docs" / "convergence.md")
+    p.add_argument("--workdir", type=Path, default=ROOT / "runs" / "time_to_target")
+    p.add_argument("--methods", type=lambda s: s.split(","), default=["ddp", "acco", "acco-bf16"])
+    p.add_argument("--lr", type=float, default=2e-3, help="DDP's best LR (the LR study's): every method runs here")
+    p.add_argument("--ddp-lrs", type=lambda s: [float(x) for x in s.split(",") if x], default=[4e-3],
+                   help="DDP's other LRs to check (its second best in the LR study)")
+    p.add_argument("--other-lrs-every-warmup", action="store_true")
+    p.add_argument("--warmups", type=lambda s: [int(x) for x in s.split(",")], default=[100, 20],
+                   help="the first is the main one (covers the plateau escape); the others: DDP and the first ACCO")
+    p.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[500, 1500])
+    p.add_argument("--floors", type=lambda s: [float(x) for x in s.split(",")], default=[0.0, 0.1])
+    p.add_argument("--cooldown-frac", type=float, default=0.2)
+    p.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[0, 1, 2])
+    p.add_argument("--n-layer", type=int, default=4)
+    p.add_argument("--n-head", type=int, default=4)
+    p.add_argument("--n-embd", type=int, default=128)
+    p.add_argument("--block-size", type=int, default=64)
+    p.add_argument("--batch-size", type=int, default=32)
+    p.add_argument("--accum", type=int, default=4)
+    p.add_argument("--eval-interval", type=int, default=50)
+    p.add_argument("--eval-iters", type=int, default=16)
+    p.add_argument("--report-only", action="store_true")
+    p.add_argument("--dry-run", action="store_true", help="print the next job and stop")
+    p.add_argument("--no-plots", action="store_true")
+    args = p.parse_args(argv)
+    unknown = set(args.methods) - set(METHODS)
+    if unknown:
+        p.error(f"unknown method(s) {sorted(unknown)}: choose from {sorted(METHODS)}")
+    if args.methods[0] != "ddp":
+        p.error("--methods must start with ddp: every target is DDP's")
+    return args
+
+
+def main(argv=None) -> None:
+    args = parse(argv)
+    if args.dry_run:
+        print(next_job(args, load_records(args.records)))
+        return
+    if not args.report_only:
+        run_missing(args)
+
+
+if __name__ == "__main__":
+    main()
