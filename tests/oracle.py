@@ -16,6 +16,35 @@ GradFn = Callable[[int, int, Tensors], Tensors]  # (rank, micro-batch index on t
 MakeOpt = Callable[[Tensors], torch.optim.Optimizer]
 
 
+class Split:
+    """Several torch optimizers over one list of full tensors, as one (the Muon + AdamW split):
+    ``parts`` are ``(optimizer class, indices into the tensors, keyword arguments)``."""
+
+    def __init__(self, theta: Tensors, parts) -> None:
+        self.parts = [cls([theta[i] for i in idx], **kw) for cls, idx, kw in parts]
+        self.param_groups = [g for p in self.parts for g in p.param_groups]
+
+    def step(self) -> None:
+        for p in self.parts:
+            p.step()
+
+    def state_dict(self):
+        return [p.state_dict() for p in self.parts]
+
+    def load_state_dict(self, sds) -> None:
+        for p, sd in zip(self.parts, sds):
+            p.load_state_dict(sd)
+
+
+def clipped(grads: Tensors, max_grad_norm: Optional[float]) -> Tensors:
+    """The averaged gradient scaled as ``clip_grad_norm_`` scales the full gradient (fp64 sum of squares)."""
+    if max_grad_norm is None:
+        return grads
+    norm = torch.stack([torch.linalg.vector_norm(g).double().pow(2) for g in grads]).sum().sqrt()
+    coef = (max_grad_norm / (norm + 1e-6)).clamp(max=1.0)
+    return [g * coef.to(g.dtype) for g in grads]
+
+
 def _opt_step(opt: torch.optim.Optimizer, theta: Tensors, grads: Tensors) -> None:
     """Opt(theta, g): one committed step."""
     for t, g in zip(theta, grads):
@@ -100,6 +129,7 @@ def update_run(
     lr_at: Optional[Callable[[int], float]] = None,
     synchronous_updates: int = 0,
     estimate_dtype: Optional[torch.dtype] = None,
+    max_grad_norm: Optional[float] = None,
 ):
     """One ``step()`` per update of ``m`` micro-batches per rank (``algorithm.md``, "Hand-offs in the user's loop").
 
@@ -112,7 +142,10 @@ def update_run(
     first updates run as in mode sync (acco and dpu). ``estimate_dtype``: each
     rank's sum of its first ``h`` gradients is cast to it and the ranks' sums
     are added in it, in rank order (a ring's order for 2 ranks), and the
-    estimate comes back cast to it.
+    estimate comes back cast to it. ``max_grad_norm``: each round's averaged gradient is clipped by its global
+    norm. The average multiplies the ranks' sum by ``1/n_ranks`` (an estimate's by ``m/(h n_ranks)``), in
+    the float the library uses, so that exact sums give the very same inputs to an optimizer that rounds
+    (Muon orthogonalises in bf16).
 
     Returns ``(after_step, committed, final)``: the model after each ``step()``
     (the same on every rank), the committed weights after each ``step()``
@@ -159,18 +192,18 @@ def update_run(
                 first = [f.to(theta[0].dtype) for f in first]
             if pending is not None:  # hand-off of the estimate: theta_t into the model
                 model, pending = [x.clone() for x in pending], None
-            estimate = _opt_star(opt, make_opt, theta, [a * (m / h) / n_ranks for a in first])
+            estimate = _opt_star(opt, make_opt, theta, clipped([a * (m / (h * n_ranks)) for a in first], max_grad_norm))
             if estimate_dtype is not None:
                 estimate = [x.to(estimate_dtype).to(theta[0].dtype) for x in estimate]
             accumulate(accum, m - h)
             model = estimate  # step(): theta~_{t+1} into the model, the commit in flight
-            _opt_step(opt, theta, [a / n_ranks for a in accum])
+            _opt_step(opt, theta, clipped([a * (1.0 / n_ranks) for a in accum], max_grad_norm))
             pending = [x.detach().clone() for x in theta]
         else:
             accumulate(accum, m)
             if mode == "dpu" and pending is not None:
                 model = [x.clone() for x in pending]
-            _opt_step(opt, theta, [a / n_ranks for a in accum])
+            _opt_step(opt, theta, clipped([a * (1.0 / n_ranks) for a in accum], max_grad_norm))
             pending = [x.detach().clone() for x in theta]
             if mode == "sync" or synchronous:
                 model, pending = pending, None

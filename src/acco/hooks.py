@@ -1,9 +1,11 @@
 """The optimizer's reactions to autograd and to interpreter exit, held through weak references.
 
 Parameters keep their hooks for as long as they live; the hooks hold the
-optimizer only weakly, so a dropped optimizer (and its process group) is not
-kept alive in a cycle that only the collector breaks at exit. Optimizers that
-were never ``finish()``-ed are closed at exit (:data:`LIVE`).
+optimizer's reactions (bound methods) only weakly, so a dropped optimizer (and
+its process group) is not kept alive in a cycle that only the collector breaks
+at exit. The reactions of optimizers never ``finish()``-ed run at exit
+(:func:`close_at_exit`). This module is handed callables; it reads nothing of
+the optimizer.
 """
 
 from __future__ import annotations
@@ -12,29 +14,39 @@ import atexit
 import sys
 import weakref
 from functools import partial
-from typing import TYPE_CHECKING, Any, List, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .optimizer import AccoOptimizer
+__all__ = ["close_at_exit", "install", "refuse_reentrant_backward"]
 
-__all__ = ["LIVE", "install", "refuse_reentrant_backward"]
-
-LIVE: "weakref.WeakSet[AccoOptimizer]" = weakref.WeakSet()
+_AT_EXIT: Dict[int, "weakref.WeakMethod"] = {}  # what closes each live optimizer, held weakly
 
 
-def install(opt: "AccoOptimizer", params: Sequence[torch.Tensor], fold_on_arrival: bool) -> List[Any]:
-    """Register the optimizer's hooks on ``params``; returns their handles."""
-    ref = weakref.ref(opt)
-    handles = [p.register_post_accumulate_grad_hook(partial(_after_accumulate, ref, i)) for i, p in enumerate(params)]
-    if fold_on_arrival:  # each backward's gradient is summed in accumulation_dtype as it arrives
+def close_at_exit(key: int, closer: Optional[Callable[[], None]]) -> None:
+    """Run ``closer`` at interpreter exit unless the optimizer ``key`` is gone or finished first (``None``:
+    no longer)."""
+    if closer is None:
+        _AT_EXIT.pop(key, None)
+    else:
+        _AT_EXIT[key] = weakref.WeakMethod(closer)
+
+
+def install(params: Sequence[torch.Tensor], accumulated: Callable[[int], None],
+            incoming: Optional[Callable[[int, torch.Tensor], None]]) -> List[Any]:
+    """Register hooks on ``params`` (bound methods, held weakly): after autograd accumulated parameter ``i``'s
+    gradient, ``accumulated(i)``; with ``incoming`` (an accumulation dtype other than the compute dtype), before
+    it does, ``incoming(i, gradient)``. Returns their handles."""
+    after = weakref.WeakMethod(accumulated)
+    handles = [p.register_post_accumulate_grad_hook(partial(_after_accumulate, after, i)) for i, p in enumerate(params)]
+    if incoming is not None:  # each backward's gradient is summed in accumulation_dtype as it arrives
+        before = weakref.WeakMethod(incoming)
         for i, p in enumerate(params):
             # The parameter's gradient accumulator (kept alive by the handle, as DDP keeps it): its pre-hook sees
             # exactly what autograd adds into .grad, and not torch.autograd.grad's results.
             with torch.enable_grad():  # the optimizer may be built under no_grad()
                 accumulator = p.view_as(p).grad_fn.next_functions[0][0]
-            handles.append(_Held(accumulator.register_prehook(partial(_before_accumulate, ref, i)), accumulator))
+            handles.append(_Held(accumulator.register_prehook(partial(_before_accumulate, before, i)), accumulator))
     return handles
 
 
@@ -49,25 +61,27 @@ class _Held:
         self.node = None
 
 
-def _after_accumulate(ref: "weakref.ref[AccoOptimizer]", index: int, _param: torch.Tensor) -> None:
-    opt = ref()
-    if opt is not None:
-        opt._on_grad_accumulated(index)
+def _after_accumulate(method: "weakref.WeakMethod", index: int, _param: torch.Tensor) -> None:
+    react = method()
+    if react is not None:
+        react(index)
 
 
-def _before_accumulate(ref: "weakref.ref[AccoOptimizer]", index: int, grads: Any) -> None:
+def _before_accumulate(method: "weakref.WeakMethod", index: int, grads: Any) -> None:
     """Pre-hook of parameter ``index``'s gradient accumulator with ``accumulation_dtype`` != compute dtype: this
     backward's gradient (all its uses summed), before autograd adds it into ``p.grad``, goes into the sum."""
-    opt = ref()
-    if opt is not None and not opt._finished and grads[0] is not None:
-        opt._flat.add_incoming(index, grads[0])
+    react = method()
+    if react is not None and grads[0] is not None:
+        react(index, grads[0])
     return None
 
 
 @atexit.register
 def _close_all_at_exit() -> None:
-    for opt in list(LIVE):
-        opt._close_at_exit()
+    for method in list(_AT_EXIT.values()):
+        closer = method()
+        if closer is not None:
+            closer()
 
 
 def refuse_reentrant_backward() -> None:

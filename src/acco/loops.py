@@ -11,23 +11,43 @@
   keeps accumulating instead of waiting.
 
 Both move the counters of ``progress.py`` and hand off through
-``driver.py``; what follows a hand-off is the optimizer's ``_after_handoff``.
+``driver.py``; what follows a hand-off is the optimizer's (``LoopContext.after_handoff``). Each loop gets
+what it needs handed to it in a :class:`LoopContext`, never the optimizer itself.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING
+from dataclasses import dataclass
+from typing import Any, Callable, Dict, List, Optional
 
 from . import _validation as V
 from .rounds import RoundKind, round_kind
 
-if TYPE_CHECKING:  # pragma: no cover
-    from .optimizer import AccoOptimizer
-
-__all__ = ["ElasticLoop", "UpdateLoop"]
+__all__ = ["ElasticLoop", "LoopContext", "UpdateLoop"]
 
 log = logging.getLogger("acco")
+
+
+@dataclass
+class LoopContext:
+    """What a loop reads and calls: the options that decide hand-offs, the owners of the counters (``progress``),
+    the rounds (``driver``) and the buffers (``flat``), and the optimizer's checks and reactions."""
+
+    mode: str
+    world_size: int
+    synchronous_updates: int
+    min_microbatches: int
+    max_microbatches: Optional[int]
+    progress: Any
+    driver: Any
+    flat: Any
+    round_done: Callable[[], bool]  # whether the in-flight round has finished (the scheduler's)
+    check_open: Callable[[], None]
+    hyperparams: Callable[[], List[Dict[str, Any]]]
+    clip_hint: Callable[[], str]
+    gather_row: Callable[[List[int], str], List[List[int]]]
+    after_handoff: Callable[[RoundKind, bool], None]
 
 
 class UpdateLoop:
@@ -35,21 +55,21 @@ class UpdateLoop:
 
     queues_end_of_backward = True  # the estimate's hand-off point is the end of a backward pass
 
-    def __init__(self, opt: "AccoOptimizer") -> None:
-        self.opt = opt
+    def __init__(self, ctx: LoopContext) -> None:
+        self.ctx = ctx
 
     def after_backward(self) -> None:
         """A micro-batch's backward has finished: count it; in mode acco the backward that completes the first
         half of the update hands off the estimate round."""
-        opt, p = self.opt, self.opt._progress
+        c, p = self.ctx, self.ctx.progress
         p.mb_in_update += 1
         p.at_boundary = False
         m = p.microbatches_per_update
-        if (opt.mode == "acco" and m is not None and not p.estimate_in_update and p.mb_in_update == self.estimate_at(m)
-                and p.commits_handed_off >= opt.synchronous_updates):
-            opt._check_open()
-            p.update_hyper = opt._hyperparams()  # both rounds of one update use the same
-            opt._driver.handoff(RoundKind.ESTIMATE, p.mb_in_update, m / (p.mb_in_update * opt.world_size))
+        if (c.mode == "acco" and m is not None and not p.estimate_in_update and p.mb_in_update == self.estimate_at(m)
+                and p.commits_handed_off >= c.synchronous_updates):
+            c.check_open()
+            p.update_hyper = c.hyperparams()  # both rounds of one update use the same
+            c.driver.handoff(RoundKind.ESTIMATE, p.mb_in_update, m / (p.mb_in_update * c.world_size))
             p.estimate_in_update = True
 
     def estimate_at(self, m: int) -> int:
@@ -58,7 +78,7 @@ class UpdateLoop:
 
     def zero_grad(self) -> None:
         """Discard the update's micro-batches so far (refused once its estimate is handed off)."""
-        p = self.opt._progress
+        p = self.ctx.progress
         if p.estimate_in_update:
             h = self.estimate_at(p.microbatches_per_update)
             raise RuntimeError(
@@ -66,13 +86,13 @@ class UpdateLoop:
                 f"{h} micro-batches) is already handed off: those gradients cannot be discarded. "
                 "Call zero_grad() after step() (or before the update's first backward())"
             )
-        self.opt._flat.zero_grads(update_loop=True)
+        self.ctx.flat.zero_grads(update_loop=True)
         p.mb_in_update = 0
         p.at_boundary = True
 
     def step(self) -> None:
         """Hand off the update's commit round (synchronously when there is nothing to overlap it with)."""
-        opt, p = self.opt, self.opt._progress
+        c, p = self.ctx, self.ctx.progress
         m = p.mb_in_update
         if m == 0:
             raise RuntimeError(
@@ -81,9 +101,9 @@ class UpdateLoop:
                 "model's parameters were replaced after AccoOptimizer was built (model.to() to another device "
                 "type, load_state_dict(assign=True), ...): build the optimizer after moving the model"
             )
-        opt._flat.check_untouched(opt._clip_hint)
-        synchronous = opt.mode == "sync" or p.commits_handed_off < opt.synchronous_updates
-        if opt.mode == "acco" and p.microbatches_per_update is None:
+        c.flat.check_untouched(c.clip_hint)
+        synchronous = c.mode == "sync" or p.commits_handed_off < c.synchronous_updates
+        if c.mode == "acco" and p.microbatches_per_update is None:
             self._learn_microbatches(m)
             synchronous = True
         elif p.microbatches_per_update is not None and m > p.microbatches_per_update:
@@ -92,19 +112,18 @@ class UpdateLoop:
                 f"microbatches_per_update={p.microbatches_per_update} (fewer are fine, e.g. at the end of an "
                 "epoch): call step() after that many, or build the optimizer with the number you run"
             )
-        elif opt.mode == "acco" and not p.estimate_in_update:
+        elif c.mode == "acco" and not p.estimate_in_update:
             synchronous = True  # a short update (fewer than half the micro-batches): no estimate, no overlap
         if not p.estimate_in_update:
-            p.update_hyper = opt._hyperparams()
-        opt._driver.handoff(RoundKind.COMMIT, m, 1.0 / opt.world_size)
+            p.update_hyper = c.hyperparams()
+        c.driver.handoff(RoundKind.COMMIT, m, 1.0 / c.world_size)
         p.mb_in_update = 0
         p.estimate_in_update = False
-        opt._after_handoff(RoundKind.COMMIT, synchronous)
+        c.after_handoff(RoundKind.COMMIT, synchronous)
 
     def _learn_microbatches(self, m: int) -> None:
         """Mode acco without microbatches_per_update: the first update's count, the same on every rank."""
-        opt = self.opt
-        counts = [row[0] for row in opt._all_gather_row([m], "step() (the first update)")]
+        counts = [row[0] for row in self.ctx.gather_row([m], "step() (the first update)")]
         if len(set(counts)) > 1:
             raise RuntimeError(
                 f"AccoOptimizer.step(): the ranks ran different numbers of micro-batches in the first update "
@@ -113,7 +132,7 @@ class UpdateLoop:
             )
         if m < 2:
             raise ValueError(V.ACCO_NEEDS_TWO.format(m=m))
-        opt._progress.microbatches_per_update = m
+        self.ctx.progress.microbatches_per_update = m
         log.info("acco: %d micro-batches per update (learned from the first update, which ran synchronously)", m)
 
 
@@ -122,34 +141,34 @@ class ElasticLoop:
 
     queues_end_of_backward = False  # hand-offs happen in step() only
 
-    def __init__(self, opt: "AccoOptimizer") -> None:
-        self.opt = opt
+    def __init__(self, ctx: LoopContext) -> None:
+        self.ctx = ctx
 
     def after_backward(self) -> None:  # pragma: no cover - never queued
         raise AssertionError("ElasticLoop hands off in step() only")
 
     def zero_grad(self) -> None:
         """The micro-batch's ``.grad`` only: what ``step()`` folded belongs to the library and is kept."""
-        self.opt._flat.zero_grads(update_loop=False)
+        self.ctx.flat.zero_grads(update_loop=False)
 
     def step(self) -> None:
         """Fold this micro-batch in; hand off a round if one can start."""
-        opt, p = self.opt, self.opt._progress
-        opt._flat.fold(opt._clip_hint)
+        c, p = self.ctx, self.ctx.progress
+        c.flat.fold(c.clip_hint)
         p.at_boundary = False
         p.since_handoff += 1
         p.in_accum += 1
-        if p.since_handoff < opt.min_microbatches:
+        if p.since_handoff < c.min_microbatches:
             return
         # Accumulate while you communicate: keep computing while the round is in flight, unless the bound is reached.
-        if not opt.scheduler.done() and (opt.max_microbatches is None or p.since_handoff < opt.max_microbatches):
+        if not c.round_done() and (c.max_microbatches is None or p.since_handoff < c.max_microbatches):
             return
-        kind = round_kind(opt.mode, p.num_rounds)
+        kind = round_kind(c.mode, p.num_rounds)
         count = p.in_accum
         if kind is RoundKind.COMMIT:
             p.in_accum = 0
         p.since_handoff = 0
-        if opt.mode != "acco" or kind is RoundKind.ESTIMATE:
-            p.update_hyper = opt._hyperparams()  # both rounds of one acco update use the same
-        opt._driver.handoff(kind, count, None)
-        opt._after_handoff(kind, opt.mode == "sync")
+        if c.mode != "acco" or kind is RoundKind.ESTIMATE:
+            p.update_hyper = c.hyperparams()  # both rounds of one acco update use the same
+        c.driver.handoff(kind, count, None)
+        c.after_handoff(kind, c.mode == "sync")

@@ -43,7 +43,7 @@ from .collectives import connect, group_rank, group_size, ring_algorithm
 from .driver import RoundDriver
 from .introspection import Introspection
 from .placement import Layout
-from .loops import ElasticLoop, UpdateLoop
+from .loops import ElasticLoop, LoopContext, UpdateLoop
 from .progress import Progress
 from .rounds import OptimizerSnapshot, RoundContext, RoundKind
 from .scheduler import StreamScheduler
@@ -285,30 +285,58 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
             collective_group=lambda: self._driver.ctx.group if self._driver.ctx.group is not None else self._group,
             process_group=self._group,
         )
-        self._loop = ElasticLoop(self) if self.accumulate_while_communicating else UpdateLoop(self)
+        loop = LoopContext(
+            mode=mode, world_size=self.world_size, synchronous_updates=synchronous_updates,
+            min_microbatches=min_microbatches, max_microbatches=max_microbatches, progress=self._progress,
+            driver=self._driver, flat=self._flat, round_done=self.scheduler.done, check_open=self._check_open,
+            hyperparams=self._hyperparams, clip_hint=self._clip_hint, gather_row=self._all_gather_row,
+            after_handoff=self._after_handoff,
+        )
+        self._loop = ElasticLoop(loop) if self.accumulate_while_communicating else UpdateLoop(loop)
         self._constructed = True  # add_param_group() from here on would change the layout: refused
-        self._hook_handles = hooks.install(self, self._params, self._flat.fold_on_arrival)
-        hooks.LIVE.add(self)  # closed at interpreter exit if finish() never came
+        self._hook_handles = hooks.install(self._params, self._on_grad_accumulated,
+                                           self._on_incoming_grad if self._flat.fold_on_arrival else None)
+        hooks.close_at_exit(id(self), self._close_at_exit)  # if finish() never came
 
     @classmethod
-    def from_optimizer(cls, optimizer: torch.optim.Optimizer, **options: Any) -> "AccoOptimizer":
-        """An ``AccoOptimizer`` over a fresh torch optimizer's parameters, groups and hyper-parameters.
+    def from_optimizer(cls, optimizer: Any, **options: Any) -> "AccoOptimizer":
+        """An ``AccoOptimizer`` over fresh torch optimizers' parameters, groups and hyper-parameters.
 
         For scripts that build their optimizer in a function of their own (nanoGPT's
         ``model.configure_optimizers(...)``, a framework's ``create_optimizer()``)::
 
             opt = AccoOptimizer.from_optimizer(model.configure_optimizers(...), microbatches_per_update=4)
 
+        A list of optimizers over disjoint parameters becomes one ``AccoOptimizer`` (each group keeps its
+        class: the Muon + AdamW split, as torch's Muon documentation builds it)::
+
+            opt = AccoOptimizer.from_optimizer([torch.optim.Muon(hidden, lr=0.02),
+                                                torch.optim.AdamW(others, lr=3e-4)], microbatches_per_update=4)
+
         ``options`` are the ``AccoOptimizer`` keyword arguments (``mode``, ``max_grad_norm``, ...). The given
-        optimizer is only read: its class becomes ``optimizer_class``, its param groups (with their per-group
-        ``lr``, ``weight_decay``, ``fused`` ...) and defaults are passed on. It must not have stepped yet: its
-        state would be lost (load a checkpoint into the ``AccoOptimizer`` instead). Collective, as construction is.
+        optimizers are only read: the (first) class becomes ``optimizer_class``, their param groups (with their
+        per-group ``lr``, ``weight_decay``, ``fused`` ...) and defaults are passed on. They must not have stepped
+        yet: their state would be lost (load a checkpoint into the ``AccoOptimizer`` instead). Collective, as
+        construction is.
         """
-        V.check_fresh_optimizer(optimizer, options)
-        groups = [dict(g) for g in optimizer.param_groups]
-        return cls(groups, type(optimizer), **{**V.constructor_defaults(optimizer), **options})
+        optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+        if not optimizers:
+            raise ValueError("AccoOptimizer.from_optimizer() got an empty list: pass a torch optimizer, or several")
+        for o in optimizers:
+            V.check_fresh_optimizer(o, options)
+        if len(optimizers) == 1:
+            groups = [dict(g) for g in optimizers[0].param_groups]
+        else:
+            groups = [{**g, "optimizer_class": type(o)} for o in optimizers for g in o.param_groups]
+        first = optimizers[0]
+        return cls(groups, type(first), **{**V.constructor_defaults(first), **options})
 
     # ------------------------------------------------------------------ state owned elsewhere
+
+    @property
+    def finished(self) -> bool:
+        """Whether :meth:`finish` has ended training with this optimizer (a later ``step()`` raises)."""
+        return self._finished
 
     @property
     def local_optimizer(self) -> torch.optim.Optimizer:
@@ -404,6 +432,11 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
             self._backward_queued = task
             # Once per backward pass, as DDP and FSDP do: runs when the whole backward has finished.
             torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
+
+    def _on_incoming_grad(self, index: int, grad: torch.Tensor) -> None:
+        """Pre-hook of parameter ``index``'s gradient accumulator (``fold_on_arrival``): into the fp32 sum."""
+        if not self._finished:
+            self._flat.add_incoming(index, grad)
 
     def _end_of_backward(self) -> None:
         """End of a backward pass: once more at the back of the queue, so that the end-of-backward work of
@@ -536,7 +569,7 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         for handle in self._hook_handles:
             handle.remove()
         self._hook_handles = []
-        hooks.LIVE.discard(self)
+        hooks.close_at_exit(id(self), None)
 
     def _close_at_exit(self) -> None:
         """At interpreter exit without finish(): let the in-flight round end, then release the round group

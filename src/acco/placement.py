@@ -147,13 +147,18 @@ class Layout:
         weight = [float(c) for c in costs] if costs is not None else [float(n) for n in numels]
         size = max(fair, max(numels[i] for i in whole))
         candidates = [_balanced(kinds, numels, weight, whole, world_size, fair, size)]
-        grown = size
-        while grown <= candidates[0][2]:  # chunks a little larger than fair leave room for what packing wastes
+        # Chunks a little larger than fair leave room for what packing wastes: the smallest that packs.
+        low, grown, packed = size - 1, size, None
+        while grown <= candidates[0][2] and packed is None:
             packed = _packed(kinds, numels, weight, whole, world_size, grown)
-            if packed is not None:
-                candidates.append(packed)
-                break
-            grown = max(grown + 1, math.ceil(grown * 1.005))
+            if packed is None:
+                low, grown = grown, max(grown + 1, math.ceil(grown * 1.005))
+        while packed is not None and grown - low > 1:
+            middle = (low + grown) // 2
+            smaller = _packed(kinds, numels, weight, whole, world_size, middle)
+            low, grown, packed = (low, middle, smaller) if smaller is not None else (middle, grown, packed)
+        if packed is not None:
+            candidates.append(packed)
 
         def score(c):  # fewest padding elements first (every round sends them), then the least loaded busiest rank
             starts, owner, size = c
@@ -215,7 +220,7 @@ class Layout:
         """The parameters rank ``rank``'s wrapped optimizers step: those with elements in its chunk (a slice, or
         a whole tensor it owns), in parameter order."""
         return [p.index for p in self.params
-                if (p.owner == rank if p.whole else p.piece(rank, self.shard_size).numel > 0)]
+                if p.numel and (p.owner == rank if p.whole else p.piece(rank, self.shard_size).numel > 0)]
 
     def views(self, flat):
         """Per-parameter views (shaped like the parameters) into a flat buffer of at least ``numel`` elements."""

@@ -111,7 +111,7 @@ class AccoTrainer(Trainer):
         return opt
 
     def create_optimizer(self, model: Optional[torch.nn.Module] = None) -> torch.optim.Optimizer:
-        if self.acco_optimizer is not None and self.acco_optimizer._finished:
+        if self.acco_optimizer is not None and self.acco_optimizer.finished:
             # A later train() on this Trainer: the last one ended its optimizer with finish(). Build a new one
             # (and a new scheduler for it); resume_from_checkpoint then restores both, else they start afresh.
             logger.warning("AccoTrainer: train() again: a new AccoOptimizer (the previous train() finished its own)")
@@ -147,7 +147,7 @@ class AccoTrainer(Trainer):
 
     def _committed(self):
         opt = self.acco_optimizer
-        return contextlib.nullcontext() if opt is None or opt._finished else opt.committed_weights()
+        return contextlib.nullcontext() if opt is None or opt.finished else opt.committed_weights()
 
     def evaluate(self, *args: Any, **kwargs: Any) -> Dict[str, float]:
         with self._committed():
