@@ -42,6 +42,8 @@ def parse_args(argv=None, **defaults):
     p.add_argument("--repeats", type=int, default=3, help="runs of every method at every rate, interleaved")
     p.add_argument("--loop", choices=["awc", "update"], default="awc", help="worker.py --loop (library methods)")
     p.add_argument("--dtype", choices=["fp32", "bf16", "amp"], default="fp32", help="worker.py --dtype")
+    p.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw", help="worker.py --optimizer")
+    p.add_argument("--model", default="", help="worker.py model options, e.g. '--d-model 128 --heads 4 --seq-len 64'")
     p.add_argument("--ranks", type=int, default=2)
     p.add_argument("--micro-batch", type=int, default=24)
     p.add_argument("--updates", type=int, default=6)
@@ -62,8 +64,9 @@ def worker_args(args, method: str, variant: str = ""):
                                      "--warmup", str(args.warmup)]
     reduce = ["--reduce-dtype", variant.split("-", 1)[1]] if variant.startswith("reduce-") else []
     reduce += ["--estimate-dtype", "bf16"] if variant == "estimate-bf16" else []
-    return ["--method", method, *base, "--slow-rank", str(args.slow_rank), "--slow-factor", str(args.slow_factor),
-            "--loop", args.loop, "--dtype", args.dtype, *reduce]
+    model = [] if args.smoke else args.model.split()
+    return ["--method", method, *base, *model, "--slow-rank", str(args.slow_rank), "--slow-factor",
+            str(args.slow_factor), "--loop", args.loop, "--dtype", args.dtype, "--optimizer", args.optimizer, *reduce]
 
 
 def run_point(args, rate, repeat: int) -> list:

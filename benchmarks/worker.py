@@ -28,6 +28,12 @@ and ``step()`` after every micro-batch, bounded as above; ``update`` is its
 default loop, ``microbatches_per_update=2``: two ``backward()``, one ``step()``,
 ``zero_grad()``, as with a torch optimizer (``acco-acc`` needs ``awc``).
 
+``--optimizer muon``: the Muon + AdamW split instead of AdamW (2-D hidden
+matrices to ``torch.optim.Muon``, embeddings and 1-D tensors to AdamW): the
+library's methods wrap both in one optimizer (each rank orthogonalises the
+matrices it owns), ``ddp`` steps torch's Muon and AdamW on every rank (each
+rank orthogonalises every matrix), ``compute`` as with AdamW.
+
 ``--dtype``: ``fp32``; ``bf16``: the library computes in bf16
 (``compute_dtype``; fp32 master, fp32 gradient accumulation), the other methods
 cast the model to bf16 (pure bf16: bf16 parameters, gradients and AdamW state);
@@ -77,6 +83,9 @@ def parse_args(argv=None):
     p.add_argument("--method", choices=METHODS, required=True)
     p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--heads", type=int, default=0, help="attention heads (0: d_model // 64)")
+    p.add_argument("--window", type=int, default=0, help="local attention window (0: seq_len // 2)")
+    p.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw")
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--micro-batch", type=int, default=8, help="sequences per micro-batch (half a mini-batch)")
     p.add_argument("--warmup", type=int, default=3, help="updates before timing starts")
@@ -92,6 +101,8 @@ def parse_args(argv=None):
                    help="the library's estimate_dtype (default: the estimate travels like the commit)")
     p.add_argument("--out", type=Path, default=None, help="rank 0 writes its JSON record here")
     args = p.parse_args(argv)
+    if args.optimizer == "muon" and args.method == "ddp-zero":
+        p.error("--optimizer muon runs with the library's methods, ddp and compute (not ddp-zero)")
     if args.method == "acco-acc" and args.loop != "awc":
         p.error("--method acco-acc accumulates while a round is in flight, which only the awc loop "
                 "(accumulate_while_communicating=True) does: run it with --loop awc")
@@ -101,8 +112,35 @@ def parse_args(argv=None):
 def build(args, world: int):
     torch.manual_seed(0)
     cfg = GPTConfig(vocab_size=256, seq_len=args.seq_len, d_model=args.d_model, n_layers=args.layers,
-                    n_heads=max(1, args.d_model // 64), local_window=args.seq_len // 2)
+                    n_heads=args.heads or max(1, args.d_model // 64), local_window=args.window or args.seq_len // 2)
     return GPT(cfg)
+
+
+MUON = dict(lr=0.02, momentum=0.95, weight_decay=0.01)
+
+
+def muon_split(model):
+    """(hidden 2-D matrices, the rest): Muon's share and AdamW's."""
+    hidden = [p for n, p in model.named_parameters() if p.dim() == 2 and not n.startswith(("tok", "pos"))]
+    ids = {id(p) for p in hidden}
+    return hidden, [p for p in model.parameters() if id(p) not in ids]
+
+
+class _Both:
+    """torch's Muon and AdamW stepped together (DDP + the split, as torch's Muon documentation runs it)."""
+
+    def __init__(self, *optimizers):
+        self.optimizers = optimizers
+        self.state = {k: v for o in optimizers for k, v in o.state.items()}
+
+    def step(self):
+        for o in self.optimizers:
+            o.step()
+        self.state = {k: v for o in self.optimizers for k, v in o.state.items()}
+
+    def zero_grad(self):
+        for o in self.optimizers:
+            o.zero_grad()
 
 
 class Runner:
@@ -122,11 +160,15 @@ class Runner:
                 kw["estimate_dtype"] = torch.bfloat16
             if args.reduce_dtype != "default":
                 kw["reduce_dtype"] = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.reduce_dtype]
+            params = model.parameters()
+            if args.optimizer == "muon":  # one optimizer, two classes: each rank orthogonalises its own matrices
+                hidden, rest = muon_split(model)
+                params = [{"params": hidden, "optimizer_class": torch.optim.Muon, **MUON}, {"params": rest}]
             if args.loop == "update":  # the default loop: two backward(), one step(), as any torch optimizer
-                self.opt = AccoOptimizer(model.parameters(), mode=mode, microbatches_per_update=2, **kw)
+                self.opt = AccoOptimizer(params, mode=mode, microbatches_per_update=2, **kw)
             else:
                 lo, hi = (2, 2) if m == "sync" else (1, 1)
-                self.opt = AccoOptimizer(model.parameters(), mode=mode, accumulate_while_communicating=True,
+                self.opt = AccoOptimizer(params, mode=mode, accumulate_while_communicating=True,
                                          min_microbatches=lo, max_microbatches=None if m == "acco-acc" else hi, **kw)
             return
         if args.dtype == "bf16":
@@ -136,7 +178,10 @@ class Runner:
             from torch.nn.parallel import DistributedDataParallel as DDP
 
             self.net = DDP(model)
-            if m == "ddp":
+            if m == "ddp" and args.optimizer == "muon":
+                hidden, rest = muon_split(model)
+                self.opt = _Both(torch.optim.Muon(hidden, **MUON), torch.optim.AdamW(rest, **kw))
+            elif m == "ddp":
                 self.opt = torch.optim.AdamW(model.parameters(), **kw)
             else:
                 self.opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, **kw)
@@ -238,6 +283,7 @@ def main(argv=None) -> None:
         "tokens_per_s": mb * args.micro_batch * args.seq_len / elapsed,
         "microbatches": mb, "slow_rank": args.slow_rank, "slow_factor": args.slow_factor,
         "acco_ring": os.environ.get("ACCO_RING", "default"), "dtype": args.dtype, "loop": args.loop,
+        "optimizer": args.optimizer,
         # one parameter-sized copy, in fp32 and in the compute dtype (bf16 for bf16 and amp)
         "param_bytes_fp32": 4 * numel, "param_bytes_compute": (4 if args.dtype == "fp32" else 2) * numel,
         "step_call_s": sum(compute_s) / max(1, len(compute_s)),

@@ -42,7 +42,12 @@ METHODS: Dict[str, Tuple[str, List[str], List[str]]] = {
     "sync": ("train_acco.py", ["--mode=sync"], []),
     "acco-sync20": ("train_acco.py", [], [GAP, "--acco-option=synchronous_updates=20"]),
 }
-BEGIN, END = "<!-- lr-study:begin (written by examples/nanogpt/study.py) -->", "<!-- lr-study:end -->"
+def markers(name: str):
+    """The report's markers in the doc: ``lr-study`` (AdamW) or ``muon-study`` (``--optimizer muon``)."""
+    return f"<!-- {name}:begin (written by examples/nanogpt/study.py) -->", f"<!-- {name}:end -->"
+
+
+BEGIN, END = markers("lr-study")
 NEAR_BEST = 0.05  # DDP is "near its best" at an LR where every seed ends within 5% of DDP's best mean
 STABLE_AFTER, STABLE_RISE = 50, 0.01  # "stable": after update 50 no held-out evaluation rises by more than 1%
 CLOSE = 0.01  # "within 1% of DDP"
@@ -62,6 +67,8 @@ def config_of(args: argparse.Namespace) -> dict:
         "batch_size": args.batch_size, "gradient_accumulation_steps": args.accum, "max_iters": args.iters,
         "warmup_iters": args.warmup, "min_lr_ratio": args.min_lr_ratio, "eval_interval": args.eval_interval,
         "eval_iters": args.eval_iters, "world_size": 2,
+        # the Muon + AdamW study's LRs are Muon's; its AdamW groups run at adamw_lr (AdamW records lack these keys)
+        **({"optimizer": "muon", "adamw_lr": args.adamw_lr} if args.optimizer == "muon" else {}),
     }
 
 
@@ -133,8 +140,10 @@ def machine() -> dict:
 def run_one(method: str, lr: float, seed: int, config: dict, workdir: Path) -> dict:
     """One training run; returns its record (raises if the run fails)."""
     script, extra, flags = METHODS[method]
+    base = config.get("adamw_lr", lr)  # with Muon: lr is Muon's, the schedule's base (learning_rate) AdamW's
+    muon = ["--optimizer_name=muon", f"--muon_lr={lr}"] if config.get("optimizer") == "muon" else []
     overrides = [
-        f"--seed={seed}", f"--learning_rate={lr}", f"--min_lr={lr * config['min_lr_ratio']}",
+        f"--seed={seed}", f"--learning_rate={base}", f"--min_lr={base * config['min_lr_ratio']}", *muon,
         f"--n_layer={config['n_layer']}", f"--n_head={config['n_head']}", f"--n_embd={config['n_embd']}",
         f"--block_size={config['block_size']}", f"--batch_size={config['batch_size']}",
         f"--gradient_accumulation_steps={config['gradient_accumulation_steps']}",
@@ -273,13 +282,14 @@ def pct(x: float) -> str:
     return "n/a" if not finite(x) else f"{x:+.2%}"
 
 
-def report_markdown(records: List[dict], s: dict) -> str:
+def report_markdown(records: List[dict], s: dict, name: str = "lr-study", prefix: str = "convergence_lr") -> str:
     t = table_of(records)
     methods = [m for m in ["ddp", "acco", *sorted(set(t) - {"ddp", "acco", "dpu"}), "dpu"] if m in t]
     cfg = records[0]["config"]
     tokens = records[0]["tokens_per_update"]
     hours = sum(r["wall_s"] for r in records) / 3600
-    lines = [BEGIN, "",
+    begin, end = markers(name)
+    lines = [begin, "",
              f"Records: {len(records)} runs, {hours:.2f} h of run time in all, "
              f"{cfg['n_layer']} layers x {cfg['n_embd']} wide, {cfg['max_iters']} updates of {tokens:,} tokens "
              f"(2 ranks x {cfg['gradient_accumulation_steps']} micro-batches x {cfg['batch_size']} x "
@@ -327,21 +337,22 @@ def report_markdown(records: List[dict], s: dict) -> str:
             ratios = [estimate_ratio(t[m][lr], lo, hi) for lo, hi in zip(bounds, bounds[1:])]
             cells = [pct(g) + ("" if not finite(q) else f"; {q:.2f}") for g, q in zip(gaps, ratios)]
             lines.append(f"| {m}, {lr:g} | " + " | ".join(cells) + " |")
-    lines += ["", "![final loss vs LR](convergence_lr.png)", "", "![curves and gap over time](convergence_lr_curves.png)",
-              "", END]
+    lines += ["", f"![final loss vs LR]({prefix}.png)", "", f"![curves and gap over time]({prefix}_curves.png)",
+              "", end]
     return "\n".join(lines)
 
 
-def write_doc(doc: Path, block: str) -> None:
+def write_doc(doc: Path, block: str, name: str = "lr-study") -> None:
+    begin, end = markers(name)
     text = doc.read_text() if doc.exists() else ""
-    if BEGIN in text and END in text:
-        text = text[: text.index(BEGIN)] + block + text[text.index(END) + len(END):]
+    if begin in text and end in text:
+        text = text[: text.index(begin)] + block + text[text.index(end) + len(end):]
     else:
         text = text.rstrip() + "\n\n" + block + "\n"
     doc.write_text(text)
 
 
-def plot(records: List[dict], s: dict, out_dir: Path) -> List[Path]:
+def plot(records: List[dict], s: dict, out_dir: Path, prefix: str = "convergence_lr") -> List[Path]:
     import matplotlib  # noqa: PLC0415 (an example's extra)
 
     matplotlib.use("Agg")
@@ -366,7 +377,7 @@ def plot(records: List[dict], s: dict, out_dir: Path) -> List[Path]:
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    first = out_dir / "convergence_lr.png"
+    first = out_dir / f"{prefix}.png"
     fig.savefig(first, dpi=110)
     plt.close(fig)
 
@@ -393,7 +404,7 @@ def plot(records: List[dict], s: dict, out_dir: Path) -> List[Path]:
         if axes[1][j].get_legend_handles_labels()[0]:
             axes[1][j].legend()
     fig.tight_layout()
-    second = out_dir / "convergence_lr_curves.png"
+    second = out_dir / f"{prefix}_curves.png"
     fig.savefig(second, dpi=110)
     plt.close(fig)
     return [first, second]
@@ -405,9 +416,10 @@ def report(args: argparse.Namespace) -> dict:
     if not records:
         raise SystemExit(f"no records for this configuration in {args.records}: run the study first")
     s = summarize(records)
-    write_doc(args.doc, report_markdown(records, s))
+    name, prefix = ("muon-study", "convergence_muon_lr") if args.optimizer == "muon" else ("lr-study", "convergence_lr")
+    write_doc(args.doc, report_markdown(records, s, name, prefix), name)
     if not args.no_plots:
-        plot(records, s, args.doc.parent)
+        plot(records, s, args.doc.parent, prefix)
     print(f"report: {len(records)} records -> {args.doc}", flush=True)
     return s
 
@@ -433,6 +445,9 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--accum", type=int, default=4)
     p.add_argument("--eval-interval", type=int, default=50)
     p.add_argument("--eval-iters", type=int, default=16)
+    p.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw",
+                   help="muon: the Muon + AdamW split in both loops; --lrs are then Muon's, AdamW's is --adamw-lr")
+    p.add_argument("--adamw-lr", type=float, default=2e-3, help="with --optimizer muon: the AdamW groups' peak LR")
     p.add_argument("--report-only", action="store_true")
     p.add_argument("--no-plots", action="store_true")
     args = p.parse_args(argv)

@@ -70,8 +70,8 @@ def config_of(args: argparse.Namespace) -> dict:
 def lines(args: argparse.Namespace) -> List[dict]:
     """The (method, lr, warm-up, seed) lines of the study, most important first.
 
-    At the main warm-up (the first of ``--warmups``), seed by seed: DDP at ``--lr`` and at ``--ddp-lrs``, then
-    every ACCO method at ``--lr``. Then the other warm-ups: DDP and the first ACCO method, at ``--lr``. A line's
+    At the main warm-up (the first of ``--warmups``), seed by seed: DDP then every ACCO method at ``--lr``; then
+    DDP at ``--ddp-lrs``, seed by seed. Then the other warm-ups: DDP and the first ACCO method, at ``--lr``. A line's
     ``branches`` are the (T, floor) it always runs (DDP: every length at floor 0, and the other floors at the
     main warm-up's longest length or the other warm-ups' shortest); an ACCO line instead searches its
     updates-to-target (``search``) for each of DDP's (T, floor) at its LR."""
@@ -86,7 +86,7 @@ def lines(args: argparse.Namespace) -> List[dict]:
                 for lr in lrs:
                     out.append({"method": m, "lr": lr, "warmup": w, "seed": seed,
                                 "branches": fixed if m == "ddp" else [], "search": [] if m == "ddp" else fixed,
-                                "rank": (w != main_w, seed, m != "ddp", lr != args.lr)})
+                                "rank": (w != main_w, lr != args.lr, seed)})
     return sorted(out, key=lambda x: x["rank"])
 
 

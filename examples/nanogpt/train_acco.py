@@ -17,8 +17,10 @@ from torch.distributed import destroy_process_group, init_process_group
 import acco
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "gpt"))
+sys.path.insert(0, os.path.dirname(__file__))
 from data import load_corpus  # noqa: E402
 from model import GPT, GPTConfig  # noqa: E402
+from optim import configure_optimizers  # noqa: E402
 
 out_dir = "runs/nanogpt"
 eval_interval = 20
@@ -29,6 +31,7 @@ batch_size = 4
 block_size = 64
 n_layer, n_head, n_embd = 2, 2, 64
 learning_rate, min_lr, warmup_iters, max_iters = 1e-3, 1e-4, 5, 60
+optimizer_name, muon_lr = "adamw", 0.02  # or "muon": 2-D hidden matrices to torch.optim.Muon at muon_lr, the rest AdamW
 schedule, cooldown_iters = "cosine", 0  # or "wsd": warm-up, constant, then linear to min_lr over the last cooldown_iters
 keep_ckpts = ""  # comma-separated iterations whose checkpoint is also kept as ckpt-<iter>.pt (to branch from)
 resume_from = "ckpt.pt"  # the checkpoint --init_from=resume loads (relative to out_dir)
@@ -62,11 +65,8 @@ def loss_of(model, x, y):
 
 
 model = GPT(GPTConfig(seq_len=block_size, d_model=n_embd, n_layers=n_layer, n_heads=n_head, local_window=block_size))
-decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-optimizer = torch.optim.AdamW(groups, lr=learning_rate, betas=(beta1, beta2))
-optimizer = acco.AccoOptimizer.from_optimizer(optimizer, mode=mode, microbatches_per_update=gradient_accumulation_steps,
+optimizers = configure_optimizers(model, optimizer_name, learning_rate, muon_lr, weight_decay, (beta1, beta2))
+optimizer = acco.AccoOptimizer.from_optimizer(optimizers, mode=mode, microbatches_per_update=gradient_accumulation_steps,
                                               max_grad_norm=grad_clip or None)
 iter_num = 0
 if init_from == "resume":
@@ -98,7 +98,7 @@ log, train_log, keep, train_time = [], [], {int(i) for i in keep_ckpts.split(","
 while True:
     lr = get_lr(iter_num)
     for param_group in optimizer.param_groups:
-        param_group["lr"] = lr
+        param_group["lr"] = lr * param_group.get("lr_scale", 1.0)
     save = iter_num > 0 and (iter_num % eval_interval == 0 or iter_num in keep)
     if save:  # every rank: the committed model, every rank's shard
         state = acco.checkpoint.gather(optimizer, model=raw_model)

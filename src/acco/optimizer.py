@@ -78,8 +78,10 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
     Args:
         params: ``model.parameters()`` or a list of param-group dicts.
             Parameters with ``requires_grad=False`` are ignored.
-        optimizer_class: any element-wise ``torch.optim.Optimizer`` subclass
-            (AdamW, Adam, SGD, ...); it runs on this rank's slice only.
+        optimizer_class: the wrapped ``torch.optim.Optimizer`` subclass; it runs on this rank's share only.
+            Element-wise ones (AdamW, Adam, SGD, ...) step a ``1/N`` slice; Muon and Adafactor whole tensors,
+            each owned by one rank. A param group may name its own (``"optimizer_class"``: the Muon + AdamW
+            split); ``**optimizer_kwargs`` are this class's.
         mode: ``"acco"`` | ``"dpu"`` | ``"sync"``.
         process_group: default: the WORLD group when initialised, otherwise one
             process (still asynchronous).
@@ -132,8 +134,10 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         buffers: the model's buffers (``model.buffers()``, e.g. BatchNorm's
             running statistics) to keep equal across ranks: broadcast from the
             group's first rank at every ``step()``, as DDP broadcasts them.
-        assume_elementwise: accept an ``optimizer_class`` that acco does not
-            know to be element-wise (your own); the known ones need not.
+        assume_elementwise: the same as ``placement="elementwise"`` (kept for existing code).
+        placement: how to shard a class acco does not know (your own): ``"elementwise"`` (a ``1/N`` slice of
+            the flattened parameters, for a step that treats every element on its own) or ``"whole"`` (each
+            tensor whole on one rank). The classes acco knows need none; LBFGS and SparseAdam are refused.
         synchronous_updates: the first this many updates run synchronously (no
             estimate, no overlap), as the paper warms DPU up; counted in
             committed updates, so a resumed run does not repeat them.
