@@ -1,6 +1,6 @@
 # Everything a fresh machine needs: `make demo` and `make test` create .venv,
 # install torch==2.13.0 (the CPU build) when torch is absent, and install acco
-# with the extras its tests cover (transformers and accelerate for the integrations).
+# with the extras its tests cover (transformers, accelerate and lightning for the integrations).
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -13,7 +13,7 @@ TORCH_PIN ?= torch==2.13.0
 $(VENV)/.ready: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_PIN)"
-	$(PIP) install -q -e ".[test,examples,hf]"
+	$(PIP) install -q -e ".[test,examples,hf,lightning]"
 	@touch $@
 
 venv: $(VENV)/.ready
