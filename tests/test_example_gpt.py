@@ -61,3 +61,30 @@ def test_example_trains_hugging_face_gpt_neo(tmp_path, corpus):
     """Check the drop-in claim on a model we did not write: HF GPTNeoForCausalLM from a config."""
     s = _torchrun(tmp_path, "hf", "--optimizer", "acco", "--model", "hf-gpt-neo", "--data", corpus)
     assert s["updates"] == 4 and math.isfinite(s["final_eval_loss"])
+
+
+def test_resume_keeps_the_runs_time_and_says_what_another_number_of_ranks_does(tmp_path, corpus):
+    """Check a run stopped after its checkpoint at update 4 and resumed: metrics.jsonl's time goes on from the
+    checkpoint's (not from 0), the summary's tokens/s is over the whole run's training time (and this attempt's
+    is given apart); a resume of that 2-rank checkpoint on 1 rank says, in words, that the global batch halved
+    and names --global-microbatches."""
+    ckpt = str(tmp_path / "ck")
+    args = ("--optimizer", "acco", "--data", corpus, "--steps", "8", "--ckpt-dir", ckpt, "--ckpt-every", "4",
+            "--resume", "auto")
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", str(TRAIN),
+           *TINY[:-3], "--out", str(out), *args]
+    run_command(cmd + ["--stop-at", "4"], timeout=240)  # "killed" right after the checkpoint of update 4
+    before = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    run_command(cmd, timeout=240)
+    metrics = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    summary = json.loads((out / "summary.json").read_text())
+    resumed = metrics[len(before):]
+    assert resumed[0]["step"] == 4 and resumed[0]["time"] >= before[-1]["time"] > 0, (before, resumed)
+    assert [m["time"] for m in resumed] == sorted(m["time"] for m in resumed)
+    assert summary["time"] >= resumed[0]["time"] and summary["this_attempt"]["from_update"] == 4
+    assert summary["tokens_per_s"] == pytest.approx(summary["tokens"] / summary["time"], rel=1e-3)
+
+    one = run_command([sys.executable, str(TRAIN), *TINY[:-3], "--out", str(tmp_path / "one"), *args,
+                       "--resume", ckpt + "/update_0000004"], timeout=240)
+    assert "written by 2 rank(s) on 1 rank(s)" in one and "0.5x" in one and "--global-microbatches 2" in one, one[-2000:]

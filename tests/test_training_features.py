@@ -164,6 +164,7 @@ def _mismatch_worker(rank, world):
 
 
 def test_ranks_with_different_round_counts_fail_at_finish_instead_of_hanging():
-    """Check that finish() reports ranks that handed off different numbers of rounds, on every rank."""
+    """Check that finish() reports ranks that handed off different numbers of rounds, on every rank: rank 1's
+    extra round meets rank 0's finish() on the rounds' group."""
     for msg in run_ranks(_mismatch_worker, 2, timeout=90):
-        assert "different numbers of rounds [3, 4]" in msg, msg
+        assert "ran different numbers of updates: rank 0 in finish() (after 3 rounds), rank 1 in round 3" in msg, msg

@@ -200,11 +200,12 @@ def evaluate(model, batches, rank, world, device) -> float:
     return (total[0] / total[1]).item()
 
 
-def save(args, trainer, model, gen, rank, world) -> None:
+def save(args, trainer, model, gen, rank, world, train_time: float) -> None:
     """A checkpoint at an update boundary, on every rank, through acco.checkpoint (DCP: each rank writes its
     slice into a temporary folder, the folder is marked complete once every rank has written, then renamed into
     place). It holds the model (committed weights), the optimizer, the update index, every rank's data-stream
-    position (its generator state) and the torch RNG."""
+    position (its generator state), the torch RNG and the training time so far (``train_time``: seconds,
+    evaluations excluded, every attempt before this one included)."""
     import shutil
 
     import acco.checkpoint
@@ -230,7 +231,8 @@ def save(args, trainer, model, gen, rank, world) -> None:
     with trainer.opt.committed_weights():  # the saved model is the committed one
         acco.checkpoint.save(path, trainer.opt, model=model,
                              extra={"update": torch.tensor(trainer.started), "data_streams": torch.stack(streams),
-                                    "torch_rng": torch.get_rng_state()})
+                                    "torch_rng": torch.get_rng_state(),
+                                    "train_time": torch.tensor(train_time, dtype=torch.float64)})
     if rank == 0:  # keep the newest --ckpt-keep complete ones
         done = sorted(d for d in os.listdir(args.ckpt_dir) if d.startswith("update_") and not d.endswith((".tmp", ".old")))
         for old in done[: -args.ckpt_keep]:
@@ -241,20 +243,24 @@ def save(args, trainer, model, gen, rank, world) -> None:
 def resume(args, trainer, model, gen, rank, world):
     """``--resume auto``: the latest complete checkpoint of --ckpt-dir, if any (none: a fresh start); a folder:
     that one. It may come from another number of ranks: DCP reshards the optimizer; a rank the checkpoint had
-    no data stream for starts its own. Returns the folder, or None."""
+    no data stream for starts its own, and what that does to the global batch is said in words. Returns the
+    folder (None: a fresh start) and the training time the checkpoint had seen."""
     import torch.distributed.checkpoint as dcp
 
     import acco.checkpoint
 
     if args.resume == "none":
-        return None
+        return None, 0.0
     path = acco.checkpoint.latest(args.ckpt_dir) if args.resume == "auto" else acco.checkpoint.resolve(args.resume)
     if path is None:
-        return None
-    saved_streams = dcp.FileSystemReader(path).read_metadata().state_dict_metadata["extra.data_streams"].size
-    extra = acco.checkpoint.load(path, trainer.opt, model=model,
-                                 extra={"update": torch.tensor(0), "data_streams": torch.zeros(saved_streams, dtype=torch.uint8),
-                                        "torch_rng": torch.get_rng_state()})
+        return None, 0.0
+    meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    saved_streams = meta["extra.data_streams"].size
+    want = {"update": torch.tensor(0), "data_streams": torch.zeros(saved_streams, dtype=torch.uint8),
+            "torch_rng": torch.get_rng_state()}
+    if "extra.train_time" in meta:  # checkpoints of this example before it saved its time lack it
+        want["train_time"] = torch.tensor(0.0, dtype=torch.float64)
+    extra = acco.checkpoint.load(path, trainer.opt, model=model, extra=want)
     torch.set_rng_state(extra["torch_rng"])
     if rank < extra["data_streams"].shape[0]:
         gen.set_state(extra["data_streams"][rank].clone())
@@ -263,7 +269,22 @@ def resume(args, trainer, model, gen, rank, world):
     if rank == 0:
         print(json.dumps({"resumed_from": path, "update": trainer.started, "saved_ranks": saved_streams[0],
                           "ranks": world, "unix_time": time.time()}), flush=True)
-    return path
+        if saved_streams[0] != world:
+            print(batch_note(args, saved_streams[0], world), flush=True)
+    return path, float(extra.get("train_time", torch.tensor(0.0)))
+
+
+def batch_note(args, saved: int, world: int) -> str:
+    """What resuming on another number of ranks does to the global batch, in words."""
+    head = f"resumed a checkpoint written by {saved} rank(s) on {world} rank(s): "
+    if args.global_microbatches:
+        return (head + f"the global batch is kept: every round holds {args.global_microbatches} micro-batches over "
+                f"all ranks ({args.global_microbatches // world} per rank; --global-microbatches).")
+    per_rank = max(1, args.max_microbatches or 1)
+    return (head + f"each round now averages the micro-batches of {world} rank(s) instead of {saved}, so the global "
+            f"batch is {world / saved:.2g}x what it was (a learning rate tuned for it may not fit). To keep it, pass "
+            f"--global-microbatches {saved * per_rank} (a multiple of every number of ranks the job may run at: the "
+            "micro-batches of all ranks in every round).")
 
 
 def main(argv=None):
@@ -288,7 +309,7 @@ def train(args, rank, world):
     model = build_model(args.model, cfg).to(device)
     trainer = Trainer(model, args, world)
     gen = torch.Generator().manual_seed(args.seed * 1000 + rank)  # each rank its own data stream
-    resumed_from = resume(args, trainer, model, gen, rank, world)
+    resumed_from, prior_time = resume(args, trainer, model, gen, rank, world)
     if resumed_from is not None:
         args.slow_ckpt_write = 0.0  # --slow-ckpt-write: the first attempt only
 
@@ -324,8 +345,11 @@ def train(args, rank, world):
     start = time.perf_counter()
     first = evaluate(model, evals, rank, world, device)
     eval_time += time.perf_counter() - start
-    log({"step": trainer.updates, "tokens": trainer.tokens(), "time": 0.0, "train_loss": None, "eval_loss": first,
-         "lr": lr_at(trainer.started, args)})
+    # "time": training time, evaluations excluded, from the run's start: a resumed attempt goes on from the time
+    # its checkpoint had seen (the restart itself is not counted)
+    log({"step": trainer.updates, "tokens": trainer.tokens(), "time": round(prior_time, 3), "train_loss": None,
+         "eval_loss": first, "lr": lr_at(trainer.started, args)})
+    resumed_at, resumed_tokens = trainer.updates, trainer.tokens()
     while trainer.started < args.steps:
         x, y = sample_batch(train_data, trainer.micro, args.seq_len, gen)
         t0 = time.perf_counter()
@@ -338,7 +362,7 @@ def train(args, rank, world):
             print(json.dumps({"first_update_after_resume": u, "unix_time": time.time()}), flush=True)
             resumed_from = None
         if u != last_logged and (u % args.log_every == 0 or u == args.steps):
-            wall = time.perf_counter() - start - eval_time
+            wall = prior_time + time.perf_counter() - start - eval_time
             rec = {"step": u, "tokens": trainer.tokens(), "time": round(wall, 3),
                    "train_loss": sum(losses) / len(losses), "eval_loss": None, "lr": lr_at(u - 1, args)}
             if u % args.eval_every == 0 and u != last_eval and trainer.holds_committed_weights() and u != args.steps:
@@ -353,16 +377,20 @@ def train(args, rank, world):
             losses, last_logged = [], u
         if (args.ckpt_dir and trainer.started % args.ckpt_every == 0 and trainer.started != last_saved
                 and trainer.started < args.steps and trainer.opt.at_update_boundary):
-            save(args, trainer, model, gen, rank, world)
+            save(args, trainer, model, gen, rank, world, prior_time + time.perf_counter() - start - eval_time)
             last_saved = trainer.started
             if trainer.started == args.stop_at:
                 os._exit(0)  # as if the host died here: no finish(), nothing flushed
     trainer.finish()  # the model now holds the last committed weights
-    wall = time.perf_counter() - start - eval_time
+    attempt = time.perf_counter() - start - eval_time
+    wall = prior_time + attempt
     final = evaluate(model, evals, rank, world, device)
+    # tokens/s over the whole run (every attempt's training time, not the restarts), and over this attempt alone
     summary = {"optimizer": args.optimizer, "model": args.model, "seed": args.seed, "world": world,
                "updates": trainer.updates, "tokens": trainer.tokens(), "time": round(wall, 3),
                "tokens_per_s": trainer.tokens() / wall, "final_eval_loss": final, "params": n_params,
+               "this_attempt": {"from_update": resumed_at, "time": round(attempt, 3),
+                                "tokens_per_s": (trainer.tokens() - resumed_tokens) / attempt},
                "slow_rank": args.slow_rank, "slow_factor": args.slow_factor, "max_microbatches": args.max_microbatches}
     if trainer.acco:
         history = trainer.opt.microbatch_history()

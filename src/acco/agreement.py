@@ -15,7 +15,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-__all__ = ["all_gather_row", "broadcast_parameters", "check_same_model", "check_same_round_count", "digest",
+__all__ = ["CALLS_AFTER_ROUNDS", "COLLECTIVE_CALLS", "waiting_failed", "all_gather_row", "broadcast_parameters", "check_same_model", "check_same_round_count", "digest",
            "fingerprints", "hyper_fingerprint", "sync_buffers"]
 
 
@@ -67,7 +67,21 @@ def fingerprints(opt: Any) -> List[Tuple[str, Any]]:
 
 
 COLLECTIVE_CALLS = ("AccoOptimizer(...) construction", "step() (the first update)", "finish()",
-                    "load_state_dict() / acco.checkpoint.load()", "acco.checkpoint.save()", "acco.checkpoint.gather()")
+                    "load_state_dict() / acco.checkpoint.load()", "acco.checkpoint.save()", "acco.checkpoint.gather()",
+                    "consolidated_state_dict()")
+# The calls made between updates, after the rounds: each first meets, on the rounds' group, a rank still in a round.
+CALLS_AFTER_ROUNDS = COLLECTIVE_CALLS[2:]
+
+
+def waiting_failed(call: str, exc: BaseException) -> RuntimeError:
+    """gloo's "Timed out waiting ...", "Connection closed by peer" in public call ``call``, with acco's context."""
+    first = (str(exc).strip().splitlines() or [""])[0][:300]
+    return RuntimeError(
+        f"AccoOptimizer {call}: waiting for the other ranks failed ({first}). {call} is collective: every rank "
+        "must make this call at the same point of the loop. A rank that never makes it, or is in another "
+        "collective, leaves the others waiting until the optimizer's timeout (without one, the process "
+        "group's); or a peer died."
+    )
 
 
 def _gather(group: dist.ProcessGroup, mine: torch.Tensor, call: str) -> List[torch.Tensor]:
@@ -75,13 +89,7 @@ def _gather(group: dist.ProcessGroup, mine: torch.Tensor, call: str) -> List[tor
     try:
         dist.all_gather(everyone, mine, group=group)  # every rank's tensor of ints, on the optimizer's control group
     except RuntimeError as exc:  # gloo's "Timed out waiting ...", "Connection closed by peer": with acco's context
-        first = (str(exc).strip().splitlines() or [""])[0][:300]
-        raise RuntimeError(
-            f"AccoOptimizer {call}: waiting for the other ranks failed ({first}). {call} is collective: every rank "
-            "must make this call at the same point of the loop. A rank that never makes it, or is in another "
-            "collective, leaves the others waiting until the optimizer's timeout (without one, the process "
-            "group's); or a peer died."
-        ) from exc
+        raise waiting_failed(call, exc) from exc
     return everyone
 
 

@@ -119,9 +119,20 @@ def _rank0(group) -> bool:
     return not dist.is_initialized() or dist.get_rank(group) == 0
 
 
-def _barrier(group) -> None:
-    if dist.is_initialized():
+def _barrier(group, path: str) -> None:
+    """Every rank at this point of ``save(path)``. Collective: a peer that died during the save makes gloo's
+    barrier fail; the error then says so with acco's context (the checkpoint being written is never used)."""
+    if not dist.is_initialized():
+        return
+    try:
         dist.barrier(group=group)
+    except RuntimeError as exc:
+        first = (str(exc).strip().splitlines() or [""])[0][:300]
+        raise RuntimeError(
+            f"acco.checkpoint.save({path!r}): waiting for the other ranks failed ({first}). A peer died or left "
+            "during the save: this checkpoint is incomplete and acco.checkpoint.latest() never picks it; the "
+            "previous complete one is intact. Restart from it."
+        ) from exc
 
 
 def save(path: str, optimizer: "AccoOptimizer", *, model: Optional[torch.nn.Module] = None,
@@ -149,9 +160,9 @@ def save(path: str, optimizer: "AccoOptimizer", *, model: Optional[torch.nn.Modu
     tmp, old = f"{path}.tmp", f"{path}.old"
     if _rank0(group):
         shutil.rmtree(tmp, ignore_errors=True)
-    _barrier(group)
+    _barrier(group, path)
     dcp.save(sd, checkpoint_id=tmp, process_group=group, no_dist=not dist.is_initialized())
-    _barrier(group)  # every rank's slice is on disk
+    _barrier(group, path)  # every rank's slice is on disk
     if _rank0(group):
         with open(os.path.join(tmp, COMPLETE), "w") as f:  # written last: latest() takes only folders holding it
             f.write("every rank's slice written\n")
@@ -160,7 +171,7 @@ def save(path: str, optimizer: "AccoOptimizer", *, model: Optional[torch.nn.Modu
             os.rename(path, old)
         os.rename(tmp, path)
         shutil.rmtree(old, ignore_errors=True)
-    _barrier(group)
+    _barrier(group, path)
 
 
 COMPLETE = ".acco-complete"

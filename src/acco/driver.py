@@ -17,7 +17,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
-from .agreement import hyper_fingerprint
+from .agreement import COLLECTIVE_CALLS, hyper_fingerprint, waiting_failed
 from .buffers import FlatBuffers
 from .progress import Progress
 from .rounds import (
@@ -29,6 +29,7 @@ from .rounds import (
     RoundMismatchError,
     RoundResult,
     RoundSpec,
+    mark_call,
     report_outcome,
     run_round,
 )
@@ -139,6 +140,28 @@ class RoundDriver:
         # CUDA: older rounds give their events back once complete, so the history holds plain numbers.
         while self._settled < len(self.history) - self.EVENTS_KEPT and self.history[self._settled].settle():
             self._settled += 1
+
+    def agree_on_rounds(self, call_index: int) -> None:
+        """Before public collective call ``call_index`` (of ``agreement.COLLECTIVE_CALLS``): wait for this rank's
+        round in flight, then exchange a call mark on the rounds' own group (``rounds.mark_call``), where a rank
+        still in a round it handed off (one update ahead of the others) meets it: every rank then raises
+        :class:`~acco.RoundMismatchError` saying the ranks ran different numbers of updates, instead of each
+        waiting in its own collective until the timeout. Collective on the round group."""
+        self.check_not_failed()
+        self.collect()
+        group = self.ctx.group
+        if group is None:
+            return
+        ctx = replace(self.ctx)
+        self.scheduler.submit(lambda: mark_call(ctx, call_index, 2 * self.progress.num_rounds))
+        try:
+            self.scheduler.wait()  # not a round: nothing recorded
+        except RoundMismatchError as exc:
+            self.failed = exc
+            raise
+        except BaseException as exc:  # a timeout, a peer gone: the rounds' group cannot be trusted any more
+            self.failed = exc
+            raise waiting_failed(COLLECTIVE_CALLS[call_index], exc) from exc
 
     def install_pending(self, commits_only: bool = False) -> None:
         """theta/theta~ swap: put the collected round's weights into the model."""

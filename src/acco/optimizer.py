@@ -378,11 +378,14 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
     # ------------------------------------------------------------------ checks
 
     def _all_gather_row(self, row: List[int], call: str) -> List[List[int]]:
-        """Every rank's ``row`` of ints, in rank order, as part of public call ``call``. Collective on the
-        control group (the user's group, or with ``timeout`` a gloo group that honours it); without a group,
+        """Every rank's ``row`` of ints, in rank order, as part of public call ``call``. Collective: first on the
+        rounds' group (a rank still in a round meets the call there: ``RoundDriver.agree_on_rounds``), then on
+        the control group (the user's group, or with ``timeout`` a gloo group that honours it); without a group,
         this process's row alone."""
         if self._group is None:
             return [list(row)]
+        if call in agreement.CALLS_AFTER_ROUNDS:
+            self._driver.agree_on_rounds(agreement.COLLECTIVE_CALLS.index(call))
         return agreement.all_gather_row(self._control_group, row, self._control_device, call)
 
     def _check_open(self) -> None:
@@ -625,7 +628,7 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         """Full per-parameter state in the wrapped optimizer's own format (with several classes: each
         parameter's state that of its class, by its index in this optimizer's groups). Collective."""
         state_io.require_boundary(self._owners, "consolidated_state_dict")
-        self._driver.collect()
+        self._all_gather_row([0], "consolidated_state_dict()")  # every rank is here (not one update ahead)
         return state_consolidated.consolidated_state_dict(self._owners)
 
     def load_consolidated_state_dict(self, state_dict: Dict[str, Any]) -> None:

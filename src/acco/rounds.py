@@ -59,6 +59,7 @@ __all__ = [
     "ShardBuffers",
     "clip_coefficient",
     "global_grad_norm",
+    "mark_call",
     "report_outcome",
     "round_kind",
     "run_round",
@@ -346,13 +347,49 @@ def report_outcome(result: RoundResult, nonfinite: str) -> Tuple[Optional[BaseEx
     return None, False
 
 
-def _check_pairs_on_host(kind: RoundKind, pairs: torch.Tensor) -> None:
-    """CPU path: raise on every rank alike if the ranks handed off different rounds or hyper-parameters."""
+# The first column of a round's row is its micro-batch count (>= 0); a public collective call's exchange on the
+# rounds' group (mark_call) sends -1 - its index in agreement.COLLECTIVE_CALLS there instead.
+def mark_call(ctx: "RoundContext", call_index: int, round_id: int) -> None:
+    """A public collective call's first exchange on the rounds' own group, shaped as a round's first
+    collective: a rank still in a round it handed off (one update ahead of the others) meets it there, and
+    every rank raises :class:`RoundMismatchError` naming the call. Collective on the round group."""
+    b = ctx.buffers
+    for i, value in enumerate((float(-1 - call_index), 0.0, float(round_id))):
+        b.row[i].fill_(value)
+    all_gather_flat(b.rows, b.row, ctx.group)  # every rank's [call mark or micro-batch count, ., round id]
+    _check_pairs_on_host(None, b.rows.view(-1, 3))  # a host sync: these calls are not on the hot path
+
+
+def _check_pairs_on_host(kind: Optional[RoundKind], pairs: torch.Tensor) -> None:
+    """CPU path: raise on every rank alike if the ranks handed off different rounds or hyper-parameters, or
+    some are in a public collective call while others are in a round."""
     ids = pairs[:, 2].tolist()  # a host sync, on the round's own thread
+    counts = pairs[:, 0].tolist()
+    if all(c < 0 for c in counts):
+        return  # every rank is in a public call: which ones, the call's own exchange on the control group says
+    if any(c < 0 for c in counts):
+        raise RoundMismatchError(call_mismatch_message(counts, ids))
     if len(set(ids)) > 1:
         raise RoundMismatchError(round_mismatch_message(ids))
     if not bool((pairs[:, 1] == pairs[0, 1]).all()):
         raise HyperParameterMismatchError(hyper_mismatch_message(kind.value))
+
+
+def call_mismatch_message(counts: Sequence[float], ids: Sequence[float]) -> str:
+    from .agreement import COLLECTIVE_CALLS
+
+    def where(c: float, i: float) -> str:
+        if c < 0:
+            return f"in {COLLECTIVE_CALLS[int(-1 - c)]} (after {int(i) // 2} rounds)"
+        return f"in round {int(i) // 2} ({'an estimate' if int(i) % 2 else 'a commit'}) of an update it began"
+
+    described = ", ".join(f"rank {r} {where(c, i)}" for r, (c, i) in enumerate(zip(counts, ids)))
+    calls = sorted({COLLECTIVE_CALLS[int(-1 - c)] for c in counts if c < 0})
+    return (
+        f"the ranks ran different numbers of updates: {described}. Every rank must run the same number of "
+        f"updates (e.g. loop while opt.next_update_index < total_updates), then call {' / '.join(calls)} on "
+        "every rank"
+    )
 
 
 def round_mismatch_message(ids: Sequence[float]) -> str:

@@ -30,7 +30,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-__all__ = ["FORMAT_VERSION", "GATHERED", "IMPLEMENTATION_FLAGS", "StateOwners", "check_compatible", "classify",
+__all__ = ["FORMAT_VERSION", "GATHERED", "ShardOfAnotherRankError", "SHARD_FIX", "IMPLEMENTATION_FLAGS", "StateOwners", "check_compatible", "classify",
            "decode_meta", "encode_meta", "hyper_entries", "own_entry", "piece_key", "parse_piece_key",
            "restore_hyper"]
 
@@ -107,6 +107,22 @@ def classify(sd: Any) -> str:
     raise ValueError(f"AccoOptimizer.load_state_dict() expects what AccoOptimizer.state_dict() returns; got {keys}")
 
 
+class ShardOfAnotherRankError(ValueError):
+    """``opt.state_dict()`` of rank ``saved_rank`` loaded on another rank (every rank read one rank's file)."""
+
+    def __init__(self, message: str, saved_rank: int) -> None:
+        super().__init__(message)
+        self.saved_rank = saved_rank
+
+
+SHARD_FIX = (
+    "Save one file per rank and load each rank its own (torch.save(opt.state_dict(), f'optim.rank{rank}.pt'), then "
+    "torch.load(f'optim.rank{rank}.pt')), or save every rank's shard in one file with "
+    "acco.checkpoint.gather(opt, model=model) on every rank (load that file on every rank: each takes its own), "
+    "or use acco.checkpoint.save/load (any number of ranks)"
+)
+
+
 def check_compatible(mine: Dict[str, Any], saved: Dict[str, Any], rank_shard: bool, rank: int, world_size: int) -> None:
     """Refuse a state dict that another optimizer, model, mode or rank wrote, before any state changes."""
     if saved.get("format") not in (2, FORMAT_VERSION):
@@ -125,15 +141,12 @@ def check_compatible(mine: Dict[str, Any], saved: Dict[str, Any], rank_shard: bo
                 f"optimizer has {mine[key]!r}: {fix.format(saved.get(key))}. Nothing was loaded."
             )
     if rank_shard and (saved.get("rank"), saved.get("world_size")) != (rank, world_size):
-        if saved.get("world_size") == world_size and saved.get("rank") == 0 and rank != 0:
-            raise ValueError(
-                f"AccoOptimizer.load_state_dict() on rank {rank}: this state dict is rank 0's shard "
+        if saved.get("world_size") == world_size and isinstance(saved.get("rank"), int):
+            other = saved["rank"]
+            raise ShardOfAnotherRankError(
+                f"AccoOptimizer.load_state_dict() on rank {rank}: this state dict is rank {other}'s shard "
                 f"(opt.state_dict() holds one rank's 1/{world_size} of the optimizer), loaded here on rank {rank}: "
-                "every rank read rank 0's file. Save one file per rank and load each rank its own "
-                "(torch.save(opt.state_dict(), f'optim.rank{rank}.pt'), then "
-                "torch.load(f'optim.rank{rank}.pt')), or save every rank's shard in one file with "
-                "acco.checkpoint.gather(opt, model=model) on every rank (load that file on every rank: each takes "
-                "its own), or use acco.checkpoint.save/load (any number of ranks). Nothing was loaded."
+                f"every rank read rank {other}'s file. {SHARD_FIX}. Nothing was loaded.", other
             )
         raise ValueError(
             f"AccoOptimizer.load_state_dict(): this state dict holds the optimizer shard of rank {saved.get('rank')} "

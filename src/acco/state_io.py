@@ -15,6 +15,8 @@ from . import state_legacy
 from .checksums import CheckpointError, checksums, verify
 from .progress import Progress
 from .state_format import (
+    SHARD_FIX,
+    ShardOfAnotherRankError,
     StateOwners,
     check_compatible,
     classify,
@@ -68,12 +70,22 @@ def state_dict(owners: StateOwners, sharded: bool = False) -> Dict[str, Any]:
 
 def _agree(owners: StateOwners, error: Optional[BaseException]) -> None:
     """Raise on every rank if any rank refused its state dict, before any collective of the load
-    (one rank loading while another refused would leave the ranks in different collectives). Collective."""
-    rows = owners.gather_row([int(error is not None)], "load_state_dict() / acco.checkpoint.load()")
+    (one rank loading while another refused would leave the ranks in different collectives), each naming what
+    the refusing ranks were given when it is the common mix-up (one rank's file on every rank). Collective."""
+    other = error.saved_rank if isinstance(error, ShardOfAnotherRankError) else -1
+    rows = owners.gather_row([int(error is not None), other], "load_state_dict() / acco.checkpoint.load()")
     refused = [r for r, row in enumerate(rows) if row[0]]
     if error is not None:
         raise error
     if refused:
+        shards = {row[1] for row in rows if row[0]}
+        if all(row[1] >= 0 for row in rows if row[0]) and len(shards) == 1:
+            given = shards.pop()
+            raise ShardOfAnotherRankError(
+                f"AccoOptimizer.load_state_dict() on rank {owners.rank}: rank(s) {refused} were given rank {given}'s "
+                f"shard (opt.state_dict() holds one rank's 1/{owners.world_size} of the optimizer): every rank read "
+                f"rank {given}'s file. {SHARD_FIX}. Nothing was loaded on any rank.", given
+            )
         raise ValueError(
             f"AccoOptimizer.load_state_dict(): rank(s) {refused} refused their state dict (their error says why); "
             "nothing was loaded on any rank"
