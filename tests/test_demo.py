@@ -40,7 +40,8 @@ def test_short_demo_table_comes_from_its_records(tmp_path):
     assert all(r["seconds"] > 0 for r in runs.values())
     assert runs["compute"]["link_s"] == 0 and all(runs[m]["link_s"] > 0 for m in ("ddp", "sync", "acco"))
     # acco moves two rounds per update, sync one, DDP one all-reduce of the same bytes
-    assert runs["acco"]["link_s"] == pytest.approx(2 * runs["sync"]["link_s"], rel=1e-6)
+    # two rounds per update against one; finish() adds one exchange of 3 float64 per rank to each (its agreement)
+    assert runs["acco"]["link_s"] == pytest.approx(2 * runs["sync"]["link_s"], rel=1e-4)
     assert runs["ddp"]["link_s"] == pytest.approx(runs["sync"]["link_s"], rel=1e-2)  # (acco pads its flat buffer)
     rows = _rows(output)
     names = {"ddp": "DDP + AdamW", "sync": "ZeRO-1 (acco sync)", "acco": "ACCO"}

@@ -398,38 +398,45 @@ def test_a_collective_call_made_on_one_rank_only_says_so():
     assert "every rank must make this call at the same point" in msg, msg
 
 
-def _one_more_update_worker(rank: int, world: int, mode: str, call: str) -> dict:
-    """Rank 1 runs one update more than rank 0, then both make the same collective call."""
+def _one_more_update_worker(rank: int, world: int) -> dict:
+    """For each case: rank 1 runs one update more than rank 0, then both make the same collective call."""
     import acco.checkpoint
 
-    model = make_model()
-    opt = AccoOptimizer(model.parameters(), mode=mode, microbatches_per_update=2, lr=1e-2)
-    t0 = time.monotonic()
-    try:
-        for t in range(3 + rank):
-            for j in range(2):
-                (loss_fn(model, rank, 2 * t + j) / 2).backward()
-            opt.step()
-            opt.zero_grad()
-        if call == "finish":
-            opt.finish()
-        elif call == "gather":
-            acco.checkpoint.gather(opt, model=model)
-        else:
-            opt.consolidated_state_dict()
-    except RuntimeError as exc:
-        return {"type": type(exc).__name__, "error": str(exc), "s": time.monotonic() - t0}
-    return {"type": None, "error": "no error", "s": time.monotonic() - t0}
+    out = {}
+    for mode, call in CASES_AHEAD:
+        model = make_model()
+        opt = AccoOptimizer(model.parameters(), mode=mode, microbatches_per_update=2, lr=1e-2)
+        t0 = time.monotonic()
+        try:
+            for t in range(3 + rank):
+                for j in range(2):
+                    (loss_fn(model, rank, 2 * t + j) / 2).backward()
+                opt.step()
+                opt.zero_grad()
+            if call == "finish":
+                opt.finish()
+            elif call == "gather":
+                acco.checkpoint.gather(opt, model=model)
+            else:
+                opt.consolidated_state_dict()
+            out[mode, call] = {"type": None, "error": "no error", "s": time.monotonic() - t0}
+        except RuntimeError as exc:
+            out[mode, call] = {"type": type(exc).__name__, "error": str(exc), "s": time.monotonic() - t0}
+    return out
 
 
-@pytest.mark.parametrize("mode,call", [("acco", "finish"), ("dpu", "finish"), ("acco", "gather"),
-                                       ("sync", "consolidated")])
-def test_a_rank_one_update_ahead_is_told_on_every_rank(mode, call):
+CASES_AHEAD = [("acco", "finish"), ("dpu", "finish"), ("acco", "gather"), ("sync", "consolidated")]
+
+
+def test_a_rank_one_update_ahead_is_told_on_every_rank():
     """Check that a rank running one update more than its peers, then a collective call (finish(), a checkpoint,
     the consolidated state) on every rank, raises on every rank at once, saying the ranks ran different numbers
     of updates (the extra update's round meets the call's first exchange on the rounds' group), not that a
-    peer died."""
-    for rank, r in enumerate(run_ranks(_one_more_update_worker, 2, mode, call, timeout=90)):
-        assert r["type"] == "RoundMismatchError", (rank, r)
-        assert "ran different numbers of updates" in r["error"] and "next_update_index" in r["error"], (rank, r)
-        assert r["s"] < 30, (rank, r)  # at once: neither waits for a timeout
+    peer died: modes acco and dpu with finish(), acco with acco.checkpoint.gather(), sync with
+    consolidated_state_dict()."""
+    for rank, results in enumerate(run_ranks(_one_more_update_worker, 2, timeout=120)):
+        for case in CASES_AHEAD:
+            r = results[case]
+            assert r["type"] == "RoundMismatchError", (rank, case, r)
+            assert "ran different numbers of updates" in r["error"] and "next_update_index" in r["error"], (rank, r)
+            assert r["s"] < 30, (rank, case, r)  # at once: neither waits for a timeout

@@ -263,11 +263,182 @@ def run_missing(args: argparse.Namespace) -> None:
 # ----------------------------------------------------------------------------- the report (records only)
 
 
+LABELS = {"ddp": "DDP + AdamW", "acco": "ACCO", "acco-bf16": "ACCO, bf16 estimate"}
+
+
+def _mean(xs):
+    xs = [x for x in xs if x is not None]
+    return statistics.fmean(xs) if xs else None
+
+
+def speeds(path: Path) -> Dict[str, dict]:
+    """Time per update of each method on the testbed, relative to DDP's, from ``benchmarks/overlap.py``
+    records (same model, batch and link): per repeat, DDP's tokens/s over the method's (the same tokens per
+    update), then the median and range over repeats. Empty if the file is absent."""
+    if not path.exists():
+        return {}
+    recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    by: Dict[tuple, float] = {(r["label"], r.get("repeat", 0)): r["tokens_per_s"] for r in recs}
+    name = {"ddp": "ddp", "acco": "acco", "acco-bf16": "acco:estimate-bf16"}
+    out = {}
+    for method, label in name.items():
+        ratios = [by[("ddp", rep)] / by[(label, rep)] for (lab, rep) in by if lab == label and ("ddp", rep) in by]
+        if ratios:
+            out[method] = {"time_per_update": statistics.median(ratios), "min": min(ratios), "max": max(ratios),
+                           "repeats": len(ratios), "rate_mbit": recs[0].get("rate_mbit")}
+    return out
+
+
+def summarize(records: List[dict], args: argparse.Namespace) -> dict:
+    """Every number of the report, from the records: per line and target, each seed's updates to target."""
+    config = config_of(args)
+    records = [r for r in records if r["config"] == config]
+    rows = []
+    for line in lines(args):
+        if line["method"] == "ddp":
+            continue
+        for t_ddp, floor in line["search"]:
+            target = target_of(records, line, config, t_ddp, floor)
+            if target is None:
+                continue
+            losses = branches_of(records, line, config)
+            _, result = search_state(losses, target, t_ddp, floor)
+            rows.append({"method": line["method"], "lr": line["lr"], "warmup": line["warmup"], "seed": line["seed"],
+                         "T": t_ddp, "floor": floor, "target": target, "loss_at_T": losses.get((t_ddp, floor)),
+                         "result": result})
+    ddp = [{"lr": float(r["lr"]), "warmup": int(r["warmup"]), "seed": int(r["seed"]), "T": int(r["T"]),
+            "floor": float(r["floor"]), "loss": r["final_val_loss"]}
+           for r in records if r["kind"] == "branch" and r["method"] == "ddp"]
+    return {"rows": rows, "ddp": ddp, "records": len(records),
+            "hours": sum(r["wall_s"] for r in records) / 3600}
+
+
+def report_markdown(s: dict, args: argparse.Namespace, speed: Dict[str, dict]) -> str:
+    cfg = config_of(args)
+    tokens = args.batch_size * args.block_size * args.accum * 2
+    out = [BEGIN, "",
+           f"Records: {s['records']} runs (trunks and cool-down branches), {s['hours']:.2f} h of run time, "
+           f"{cfg['n_layer']} layers x {cfg['n_embd']} wide, {tokens:,} tokens per update, peak LR {args.lr:g}; "
+           f"warm-up, constant, then linear cool-down over the last {cfg['cooldown_frac']:.0%} of a run of T updates "
+           "to the floor x peak; held-out loss on "
+           f"{cfg['eval_iters']} fixed batches at the end of the cool-down.", ""]
+    # DDP's own losses, the targets, at each schedule and LR
+    out += ["DDP + AdamW, fully decayed held-out loss (mean over seeds [min–max], n):", "",
+            "| warm-up | T | floor | " + " | ".join(f"LR {lr:g}" for lr in [args.lr] + args.ddp_lrs) + " |",
+            "|---|---|---|" + "---|" * (1 + len(args.ddp_lrs))]
+    keys = sorted({(d["warmup"], d["T"], d["floor"]) for d in s["ddp"]}, key=lambda k: (k[0] != args.warmups[0], k))
+    for w, t, f in keys:
+        cells = []
+        for lr in [args.lr] + args.ddp_lrs:
+            xs = [d["loss"] for d in s["ddp"] if (d["warmup"], d["T"], d["floor"], d["lr"]) == (w, t, f, lr)]
+            cells.append(f"{statistics.fmean(xs):.4f} [{min(xs):.4f}–{max(xs):.4f}] ({len(xs)})" if xs else "—")
+        out.append(f"| {w} | {t} | {f:g} | " + " | ".join(cells) + " |")
+    # updates to target
+    out += ["", "Updates to DDP's fully decayed loss (same seed, same LR, same schedule), as a multiple of DDP's "
+            "T: per seed, and the mean; `>`/`<`: beyond the lengths searched. Loss gap: the method's loss at "
+            "DDP's T against DDP's.", "",
+            "| method | warm-up | T | floor | per seed (updates ratio) | mean ratio | mean extra updates | loss gap at T |",
+            "|---|---|---|---|---|---|---|---|"]
+    groups: Dict[tuple, List[dict]] = {}
+    for r in s["rows"]:
+        groups.setdefault((r["method"], r["warmup"], r["T"], r["floor"]), []).append(r)
+    for (m, w, t, f), rs in sorted(groups.items(), key=lambda kv: (kv[0][1] != args.warmups[0], kv[0][2], kv[0][3], kv[0][0])):
+        rs = sorted(rs, key=lambda r: r["seed"])
+        done = [r for r in rs if r["result"] is not None]
+        per = ", ".join(f"s{r['seed']} {r['result']['ratio']:.3f}" if r["result"]["ratio"] is not None
+                        else f"s{r['seed']} {r['result']['bound']}" for r in done) or "—"
+        ratios = [r["result"]["ratio"] for r in done if r["result"]["ratio"] is not None]
+        extra = [r["result"]["updates"] - t for r in done if r["result"]["updates"] is not None]
+        gaps = [(r["loss_at_T"] - r["target"]) / r["target"] for r in rs if r["loss_at_T"] is not None]
+        mean = f"{statistics.fmean(ratios):.3f} ({len(ratios)} seeds)" if ratios and len(ratios) == len(done) else "—"
+        out.append(f"| {LABELS.get(m, m)} | {w} | {t} | {f:g} | {per} | {mean} | "
+                   f"{f'{statistics.fmean(extra):+.0f}' if extra else '—'} | "
+                   f"{f'{statistics.fmean(gaps):+.2%}' if gaps else '—'} |")
+    # time to target, composed
+    if speed:
+        out += ["", f"Time to target, composed: the updates ratio times the method's time per update over DDP's on "
+                f"the netns testbed ({speed['acco']['rate_mbit']:g} Mbit/s per rank, a round about half an update's "
+                "compute; `docs/benchmarks.md` §9), median [range] over "
+                f"{speed['acco']['repeats']} interleaved repeats:", "",
+                "| method | warm-up | T | floor | time per update vs DDP | time to target vs DDP, per seed | mean |",
+                "|---|---|---|---|---|---|---|"]
+        for (m, w, t, f), rs in sorted(groups.items(), key=lambda kv: (kv[0][1] != args.warmups[0], kv[0][2], kv[0][3], kv[0][0])):
+            sp = speed.get(m)
+            if sp is None or w != args.warmups[0] or t != max(args.lengths):
+                continue
+            per = [(r["seed"], r["result"]["ratio"] * sp["time_per_update"]) for r in rs
+                   if r["result"] is not None and r["result"]["ratio"] is not None]
+            cells = ", ".join(f"s{sd} {x:.3f}" for sd, x in per) or "—"
+            mean = f"{statistics.fmean(x for _, x in per):.3f}" if per else "—"
+            out.append(f"| {LABELS.get(m, m)} | {w} | {t} | {f:g} | {sp['time_per_update']:.3f} "
+                       f"[{sp['min']:.3f}–{sp['max']:.3f}] | {cells} | {mean} |")
+    out += ["", "![loss against run length](convergence_ttt.png)", "", END]
+    return "\n".join(out)
+
+
+def plot(records: List[dict], args: argparse.Namespace, path: Path) -> None:
+    """Fully decayed held-out loss against T (each branch's end), per method, at the main warm-up and floor 0,
+    mean over seeds; and the trunks' held-out curves (constant LR) of seed 0."""
+    import matplotlib  # noqa: PLC0415 (an example's extra)
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt  # noqa: PLC0415
+
+    config = config_of(args)
+    rs = [r for r in records if r["config"] == config and r["warmup"] == args.warmups[0] and float(r["lr"]) == args.lr]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4))
+    colors = {"ddp": "black", "acco": "tab:blue", "acco-bf16": "tab:orange"}
+    for m in METHODS:
+        ends: Dict[int, List[float]] = {}
+        for r in rs:
+            if r["method"] == m and r["kind"] == "branch" and float(r["floor"]) == 0.0:
+                ends.setdefault(int(r["T"]), []).append(r["final_val_loss"])
+        if ends:
+            ts = sorted(ends)
+            axes[0].plot(ts, [statistics.fmean(ends[t]) for t in ts], "o-", label=LABELS[m], color=colors[m])
+        trunk = next((r for r in rs if r["method"] == m and r["kind"] == "trunk" and int(r["seed"]) == args.seeds[0]), None)
+        if trunk:
+            axes[1].plot(*zip(*trunk["val"]), label=f"{LABELS[m]} (seed {args.seeds[0]})", color=colors[m])
+    axes[0].set_xlabel("run length T (updates), cooled down to 0")
+    axes[0].set_ylabel("final held-out loss (mean over seeds)")
+    axes[0].set_xscale("log")
+    axes[1].set_xlabel("update")
+    axes[1].set_ylabel("held-out loss at the constant LR (trunk)")
+    axes[1].set_yscale("log")
+    for ax in axes:
+        ax.grid(alpha=0.3)
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def report(args: argparse.Namespace) -> dict:
+    records = load_records(args.records)
+    if not records:
+        raise SystemExit(f"no records in {args.records}: run the study first")
+    s = summarize(records, args)
+    speed = speeds(args.speed)
+    text = args.doc.read_text() if args.doc.exists() else ""
+    block = report_markdown(s, args, speed)
+    if BEGIN in text and END in text:
+        text = text[: text.index(BEGIN)] + block + text[text.index(END) + len(END):]
+    else:
+        text = text.rstrip() + "\n\n" + block + "\n"
+    args.doc.write_text(text)
+    if not args.no_plots:
+        plot(records, args, args.doc.parent / "convergence_ttt.png")
+    print(f"report: {s['records']} records -> {args.doc}", flush=True)
+    return s
+
+
 def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--records", type=Path, default=ROOT / "docs" / "convergence_data" / "time_to_target.jsonl")
     p.add_argument("--doc", type=Path, default=ROOT / "docs" / "convergence.md")
     p.add_argument("--workdir", type=Path, default=ROOT / "runs" / "time_to_target")
+    p.add_argument("--speed", type=Path, default=ROOT / "docs" / "benchmarks_data" / "time_to_target_speed.jsonl",
+                   help="benchmarks/overlap.py records of these methods on the testbed (time per update)")
     p.add_argument("--methods", type=lambda s: s.split(","), default=["ddp", "acco", "acco-bf16"])
     p.add_argument("--lr", type=float, default=2e-3, help="DDP's best LR (the LR study's): every method runs here")
     p.add_argument("--ddp-lrs", type=lambda s: [float(x) for x in s.split(",") if x], default=[4e-3],
@@ -306,6 +477,7 @@ def main(argv=None) -> None:
         return
     if not args.report_only:
         run_missing(args)
+    report(args)
 
 
 if __name__ == "__main__":
