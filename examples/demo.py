@@ -16,6 +16,11 @@ from a first, compute-only run so that one round (or one DDP all-reduce) lasts `
 compute: the situation of a cluster whose network is slower than its GPUs. ``--link-mbit`` fixes it instead.
 Run as root with ``ip netns``, ``sudo make bench`` runs the real testbed (network namespaces behind ``tc``).
 
+The last column is each method's time to DDP's final training loss: the first update at which the method's
+training loss (the mean over the ranks, smoothed by a running mean over a tenth of the run) is at or below DDP's
+smoothed loss at its last update, and the wall time at that update; or "not reached" when it never gets there
+within the run. Every method trains on the same batches in the same order, so the curves compare update for update.
+
 Every number of the table is computed from ``OUT/records.jsonl``, which this run writes; the plot is
 ``OUT/loss_vs_time.png``.
 """
@@ -188,6 +193,9 @@ def run_method(method: str, updates: int, args, rank: int, world: int, train, he
     elapsed = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
     dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slower rank's time: the run's
     elapsed = float(elapsed)
+    losses = [None] * world
+    dist.all_gather_object(losses, [loss for _, loss in curve])  # every rank's losses (after the timing): their mean
+    curve = [[t, round(sum(ls[i] for ls in losses) / world, 5)] for i, (t, _) in enumerate(curve)]
     link_s = LINK.busy_s - link_start
     with torch.no_grad():
         model.eval()
@@ -205,6 +213,20 @@ def run_method(method: str, updates: int, args, rank: int, world: int, train, he
 
 def load_records(path: Path) -> List[Dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def smoothed(values: List[float]) -> List[float]:
+    """A running mean over a tenth of the values (at least one): the table's and the plot's smoothing."""
+    k = max(1, len(values) // 10)
+    return [sum(values[max(0, i - k + 1): i + 1]) / len(values[max(0, i - k + 1): i + 1]) for i in range(len(values))]
+
+
+def time_to_reach(curve: List[List[float]], target: float) -> Optional[Dict]:
+    """The first update (1-based) whose smoothed training loss is at or below ``target``, and its wall time."""
+    for i, loss in enumerate(smoothed([loss for _, loss in curve])):
+        if loss <= target:
+            return {"updates": i + 1, "seconds": curve[i][0]}
+    return None
 
 
 def summarize(records: List[Dict]) -> Dict:
@@ -227,17 +249,39 @@ def summarize(records: List[Dict]) -> Dict:
         row["vs_sync"] = row["tokens_per_s"] / rows["sync"]["tokens_per_s"] if "sync" in rows else math.nan
         row["vs_ddp"] = row["tokens_per_s"] / rows["ddp"]["tokens_per_s"] if "ddp" in rows else math.nan
         row["loss_vs_ddp"] = (row["held_out_loss"] / rows["ddp"]["held_out_loss"] - 1) if "ddp" in rows else math.nan
-    return {"setup": setup, "compute_s_per_update": t_compute, "rows": rows}
+    target = smoothed([loss for _, loss in runs["ddp"]["curve"]])[-1] if runs.get("ddp", {}).get("curve") else None
+    for m, row in rows.items():
+        row["to_target"] = time_to_reach(runs[m]["curve"], target) if target is not None else None
+    return {"setup": setup, "compute_s_per_update": t_compute, "rows": rows, "target": target}
 
 
 def table(s: Dict) -> str:
     names = {"ddp": "DDP + AdamW", "sync": "ZeRO-1 (acco sync)", "acco": "ACCO"}
-    lines = ["| method | tokens/s | vs ZeRO-1 | vs DDP | communication hidden | held-out loss (vs DDP) |",
-             "|---|---|---|---|---|---|"]
+    lines = ["| method | tokens/s | vs ZeRO-1 | vs DDP | communication hidden | held-out loss (vs DDP) "
+             "| time to DDP's final loss |", "|---|---|---|---|---|---|---|"]
+    ddp_to = s["rows"].get("ddp", {}).get("to_target")
     for m, r in s["rows"].items():
+        to = r["to_target"]
+        if to is None:
+            reached = "not reached"
+        else:
+            vs = f" ({to['seconds'] / ddp_to['seconds']:.2f}x DDP)" if ddp_to else ""
+            reached = f"{to['seconds']:.1f} s, update {to['updates']}{vs}"
         lines.append(f"| {names[m]} | {r['tokens_per_s']:,.0f} | {r['vs_sync']:.2f}x | {r['vs_ddp']:.2f}x | "
-                     f"{r['hidden']:.0%} | {r['held_out_loss']:.4f} ({r['loss_vs_ddp']:+.2%}) |")
+                     f"{r['hidden']:.0%} | {r['held_out_loss']:.4f} ({r['loss_vs_ddp']:+.2%}) | {reached} |")
     return "\n".join(lines)
+
+
+def reached_sentence(s: Dict) -> str:
+    """What the last column says about ACCO, in words."""
+    a, ddp, n = s["rows"]["acco"].get("to_target"), s["rows"]["ddp"].get("to_target"), s["setup"]["updates"]
+    if s["target"] is None or ddp is None:
+        return ""
+    what = f"DDP's final training loss ({s['target']:.4f}, smoothed)"
+    if a is None:
+        return f" ACCO did not reach {what} within the {n} updates."
+    return (f" ACCO reached {what} in {a['seconds']:.1f} s at update {a['updates']}, "
+            f"{a['seconds'] / ddp['seconds']:.2f}x DDP's {ddp['seconds']:.1f} s.")
 
 
 def verdict(s: Dict) -> str:
@@ -248,9 +292,10 @@ def verdict(s: Dict) -> str:
     if a["tokens_per_s"] >= 1.05 * best:
         return (f"ACCO trained {a['vs_sync']:.2f}x as fast as ZeRO-1 and {a['vs_ddp']:.2f}x as fast as DDP {where}, "
                 f"hiding {a['hidden']:.0%} of its communication, and ended {a['loss_vs_ddp']:+.2%} from DDP's "
-                f"held-out loss after the same {setup['updates']} updates.")
+                f"held-out loss after the same {setup['updates']} updates." + reached_sentence(s))
     return (f"ACCO was not faster here ({a['vs_sync']:.2f}x ZeRO-1, {a['vs_ddp']:.2f}x DDP {where}): when the "
-            "network keeps up with the compute there is little communication to hide. Try --link-share 1.")
+            "network keeps up with the compute there is little communication to hide. Try --link-share 1."
+            + reached_sentence(s))
 
 
 def plot(records: List[Dict], path: Path) -> Optional[Path]:
@@ -267,12 +312,10 @@ def plot(records: List[Dict], path: Path) -> Optional[Path]:
     for m, label in (("ddp", "DDP + AdamW"), ("sync", "ZeRO-1 (sync)"), ("acco", "ACCO")):
         if m in runs:
             t, loss = zip(*runs[m]["curve"])
-            k = max(1, len(loss) // 10)  # a running mean over a tenth of the run
-            smooth = [sum(loss[max(0, i - k + 1): i + 1]) / len(loss[max(0, i - k + 1): i + 1]) for i in range(len(loss))]
-            ax.plot(t, smooth, label=label)
+            ax.plot(t, smoothed(list(loss)), label=label)
     setup = next(r for r in records if r.get("kind") == "setup")
     ax.set_xlabel("wall time (s)")
-    ax.set_ylabel("training loss (rank 0)")
+    ax.set_ylabel("training loss (mean of the ranks)")
     ax.set_title(f"2 CPU ranks, simulated {setup['link_mbit']:.0f} Mbit/s link", fontsize=10)
     ax.legend()
     fig.tight_layout()

@@ -16,7 +16,7 @@ DEMO = os.path.join(HERE, "..", "examples", "demo.py")
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))
 
 ROW = re.compile(r"^\| (DDP \+ AdamW|ZeRO-1 \(acco sync\)|ACCO) \| ([\d,]+) \| ([\d.]+)x \| ([\d.]+)x \| (\d+)% \| "
-                 r"([\d.]+) \(([+-][\d.]+)%\) \|$", re.M)
+                 r"([\d.]+) \(([+-][\d.]+)%\) \| ([^|]+) \|$", re.M)
 
 
 def _rows(output: str) -> dict:
@@ -51,9 +51,17 @@ def test_short_demo_table_comes_from_its_records(tmp_path):
         assert rows[name][4] == f"{runs[m]['held_out_loss']:.4f}"
     assert rows["ACCO"][1] == f"{(runs['acco']['tokens'] / runs['acco']['seconds']) / (runs['sync']['tokens'] / runs['sync']['seconds']):.2f}"
     assert "ACCO trained" in output or "ACCO was not faster" in output
+    import demo
+
+    target = demo.smoothed([loss for _, loss in runs["ddp"]["curve"]])[-1]
+    for m, name in names.items():  # the last column: the records' curves against DDP's final smoothed loss
+        to = demo.time_to_reach(runs[m]["curve"], target)
+        assert rows[name][6] == ("not reached" if to is None else
+                                 f"{to['seconds']:.1f} s, update {to['updates']} ({to['seconds'] / demo.time_to_reach(runs['ddp']['curve'], target)['seconds']:.2f}x DDP)")
 
 
-def _write(out, tps: dict, link=1.0, compute_s=1.0):
+def _write(out, tps: dict, link=1.0, compute_s=1.0, curves=None):
+    curves = curves or {}
     out.mkdir()
     recs = [{"kind": "setup", "link_mbit": 100.0, "link_share": 0.5, "updates": 10, "microbatches": 4, "batch": 8,
              "seq_len": 128, "params": 1000, "world_size": 2},
@@ -61,7 +69,8 @@ def _write(out, tps: dict, link=1.0, compute_s=1.0):
              "tokens": 1000, "held_out_loss": 3.0, "curve": []}]
     for m, (tokens_per_s, loss) in tps.items():
         recs.append({"kind": "run", "method": m, "updates": 10, "seconds": 10_000 / tokens_per_s, "link_s": 10 * link,
-                     "tokens": 10_000, "held_out_loss": loss, "curve": [[0.1, 4.0], [0.2, 3.5]]})
+                     "tokens": 10_000, "held_out_loss": loss,
+                     "curve": curves.get(m, [[0.1, 4.0], [0.2, 3.5]])})
     (out / "records.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
 
 
@@ -80,3 +89,29 @@ def test_report_reads_the_records_only(tmp_path, acco_tps, expect):
     # hidden = 1 - (s per update - compute s per update) / link s per update
     per_update = 10_000 / acco_tps / 10
     assert rows["ACCO"][3] == f"{min(1.0, max(0.0, 1 - max(0.0, per_update - 1.0) / 1.0)):.0%}".rstrip("%")
+
+
+def test_time_to_ddps_final_loss_from_the_curves(tmp_path):
+    """Smoothed over a tenth of the run (here 2 updates): DDP ends at (3.0 + 2.8) / 2 = 2.9; ACCO's smoothed curve
+    first gets there at update 4, sync never does."""
+    import demo
+
+    t = [0.5 * (i + 1) for i in range(20)]
+    ddp = [4.0] * 18 + [3.0, 2.8]
+    acco = [4.0, 3.5, 3.0, 2.8] + [2.7] * 16
+    sync = [4.0] * 20
+    out = tmp_path / "demo"
+    _write(out, {"ddp": (1200.0, 3.0), "sync": (1000.0, 3.0), "acco": (1500.0, 3.03)},
+           curves={m: [list(p) for p in zip(t, c)] for m, c in (("ddp", ddp), ("acco", acco), ("sync", sync))})
+    s = demo.summarize(demo.load_records(out / "records.jsonl"))
+    assert s["target"] == pytest.approx(2.9)
+    rows = _rows(demo.table(s))
+    assert rows["ACCO"][6] == "2.0 s, update 4 (0.20x DDP)"
+    assert rows["DDP + AdamW"][6] == "10.0 s, update 20 (1.00x DDP)"
+    assert rows["ZeRO-1 (acco sync)"][6] == "not reached"
+    assert "ACCO reached DDP's final training loss (2.9000, smoothed) in 2.0 s at update 4, 0.20x DDP's 10.0 s." \
+        in demo.verdict(s)
+    _write(tmp_path / "other", {"ddp": (1200.0, 3.0), "sync": (1000.0, 3.0), "acco": (1500.0, 3.03)},
+           curves={"ddp": [list(p) for p in zip(t, ddp)], "acco": [list(p) for p in zip(t, sync)]})
+    s = demo.summarize(demo.load_records(tmp_path / "other" / "records.jsonl"))
+    assert "ACCO did not reach DDP's final training loss (2.9000, smoothed) within the 10 updates." in demo.verdict(s)

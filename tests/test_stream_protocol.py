@@ -22,7 +22,7 @@ import torch.distributed as dist
 
 from _dist import run_ranks
 from fake_cuda import FakeCuda
-from oracle import reference_run, update_run
+from oracle import Split, reference_run, update_run
 from tinynet import flat, flat_list, grad_fn, loss_fn, make_model, rel_err
 
 import acco.device_api
@@ -35,10 +35,39 @@ OPTIMIZERS = {
     "adamw": (torch.optim.AdamW, dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1)),
     "adamw_fused": (torch.optim.AdamW, dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1, fused=True)),
     "sgd_plain": (torch.optim.SGD, dict(lr=5e-2)),  # keeps no state at all
+    # whole-tensor placement: each tensor stepped whole by its owner rank, in its own shape
+    "adafactor": (torch.optim.Adafactor, dict(lr=1e-2)),
+    # the Muon + AdamW split: the two weight matrices to Muon (whole), the biases and shift to AdamW (sliced)
+    "muon_split": ("split", dict(muon=dict(lr=0.02, momentum=0.95, weight_decay=0.01),
+                                 adamw=dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1))),
 }
+MATRICES = (1, 3)  # TinyNet's fc1.weight and fc2.weight (its own shift comes first)
 # On a real GPU, plain AdamW's step counter is made a device tensor (capturable=True, which the CPU
 # lacks); here it stays a CPU-side count whose .item() the fake device sees as a sync.
 SYNC_FREE = {"sgd", "adamw_fused", "sgd_plain"}
+# Adafactor keeps its step count as a CPU tensor too (a sync on the fake device, as plain AdamW's).
+
+
+def _make(opt_name: str, params, **options) -> AccoOptimizer:
+    """The library's optimizer for ``opt_name`` over TinyNet's ``params``."""
+    cls, kw = OPTIMIZERS[opt_name]
+    if cls != "split":
+        return AccoOptimizer(params, cls, **options, **kw)
+    params = list(params)
+    groups = [{"params": [params[i] for i in MATRICES], "optimizer_class": torch.optim.Muon, **kw["muon"]},
+              {"params": [q for i, q in enumerate(params) if i not in MATRICES]}]
+    return AccoOptimizer(groups, torch.optim.AdamW, **options, **kw["adamw"])
+
+
+def _reference_opt(opt_name: str):
+    """The oracle's optimizer over full tensors, for ``opt_name``."""
+    cls, kw = OPTIMIZERS[opt_name]
+    if cls != "split":
+        return lambda ps: cls(ps, **kw)
+    rest = [i for i in range(5) if i not in MATRICES]
+    return lambda ps: Split(ps, [(torch.optim.Muon, list(MATRICES), kw["muon"]), (torch.optim.AdamW, rest, kw["adamw"])])
+
+
 # (name, optimizer, mode, micro-batches per update, model's fake device, current fake device)
 CONFIGS = [(f"{o}/{mode}", o, mode, 2, 0, 0) for o in ("sgd", "adamw") for mode in ("acco", "dpu", "sync")]
 CONFIGS += [
@@ -50,12 +79,14 @@ CONFIGS += [
     # accumulate_while_communicating with max_microbatches=1: a hand-off at every step(), the bound reached
     # each time, so the compute stream (not the host) waits for the round
     ("sgd/acco/accumulate-while-communicating", "sgd", "acco", None, 0, 0),
+    ("adafactor/acco", "adafactor", "acco", 2, 0, 0),
+    ("muon_split/acco", "muon_split", "acco", 2, 0, 0),
+    ("muon_split/sync", "muon_split", "sync", 2, 0, 0),
 ]
 ELASTIC_STEPS = 6
 
 
 def _train(name, opt_name, mode, m, model_device, current_device, rank):
-    cls, kw = OPTIMIZERS[opt_name]
     fake = FakeCuda(devices=2, model_device=model_device, current_device=current_device)
     acco.device_api.stream_api = lambda device: fake
     destroyed_after_end = []
@@ -71,10 +102,10 @@ def _train(name, opt_name, mode, m, model_device, current_device, rank):
             model = make_model()
             theta0 = [p.detach().clone() for p in model.parameters()]
             if m is None:
-                opt = AccoOptimizer(model.parameters(), cls, mode=mode, accumulate_while_communicating=True,
-                                    max_microbatches=1, **kw)
+                opt = _make(opt_name, model.parameters(), mode=mode, accumulate_while_communicating=True,
+                            max_microbatches=1)
             else:
-                opt = AccoOptimizer(model.parameters(), cls, mode=mode, microbatches_per_update=m, **kw)
+                opt = _make(opt_name, model.parameters(), mode=mode, microbatches_per_update=m)
             traj = []
             for t in range(UPDATES if m is not None else ELASTIC_STEPS):
                 # until the first commit has run, the optimizer has no state to undo a skip with: the host decides
@@ -122,7 +153,7 @@ def _results(world: int):
 @pytest.mark.parametrize("name", [c[0] for c in CONFIGS])
 def test_cuda_path_matches_oracle_with_no_race(world, name):
     _, opt_name, mode, m, model_device, _ = next(c for c in CONFIGS if c[0] == name)
-    cls, kw = OPTIMIZERS[opt_name]
+    make_opt, tol = _reference_opt(opt_name), TOL
     ref_steps, ref_committed, ref_final = None, None, None
     for rank, r in enumerate(_results(world)):
         r = r[name]
@@ -143,19 +174,19 @@ def test_cuda_path_matches_oracle_with_no_race(world, name):
         assert all(len(s["rank_microbatches"]) == world and sum(s["rank_microbatches"]) == s["total_microbatches"] > 0
                    for s in stats)
         if m is None:  # the accumulate-while-communicating loop: one micro-batch per hand-off on every rank
-            steps, final = reference_run(r["theta0"], lambda ps: cls(ps, **kw), mode, grad_fn,
+            steps, final = reference_run(r["theta0"], make_opt, mode, grad_fn,
                                          [[1] * ELASTIC_STEPS] * world)
             ref_steps, ref_final = steps[rank], final
         elif ref_steps is None:
             def scaled(rr, i, w):
                 return [g / m for g in grad_fn(rr, i, w)]
 
-            ref_steps, ref_committed, ref_final = update_run(r["theta0"], lambda ps: cls(ps, **kw), mode, scaled,
+            ref_steps, ref_committed, ref_final = update_run(r["theta0"], make_opt, mode, scaled,
                                                              world, UPDATES, m)
-        assert max(rel_err(a, flat_list(b)) for a, b in zip(r["traj"], ref_steps)) < TOL, f"rank {rank}"
+        assert max(rel_err(a, flat_list(b)) for a, b in zip(r["traj"], ref_steps)) < tol, f"rank {rank}"
         if m is not None:
-            assert rel_err(r["committed"], flat_list(ref_committed[-1])) < TOL, f"rank {rank}"
-        assert rel_err(r["final"], flat_list(ref_final)) < TOL, f"rank {rank}"
+            assert rel_err(r["committed"], flat_list(ref_committed[-1])) < tol, f"rank {rank}"
+        assert rel_err(r["final"], flat_list(ref_final)) < tol, f"rank {rank}"
         assert (r["final"] - flat_list(r["theta0"])).abs().max() > 1e-3, "the weights must move"
 
 

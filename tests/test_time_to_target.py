@@ -1,0 +1,109 @@
+"""examples/nanogpt/time_to_target.py: a one-seed smoke of the real loops, and the report against its records.
+
+The smoke runs DDP's trunk and branch and ACCO's trunk and search under torchrun with a tiny model. The test
+then computes every method's updates to target from the records itself (the interpolation between the two
+branches that bracket DDP's loss) and checks the report's row, and the composed time against a speed file.
+Editing a record changes the report: its numbers come from the records, not from the run that wrote them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+
+import pytest
+
+from _dist import run_command
+
+HERE = os.path.dirname(__file__)
+TOOL = os.path.join(HERE, "..", "examples", "nanogpt", "time_to_target.py")
+sys.path.insert(0, os.path.join(HERE, "..", "examples", "nanogpt"))
+TINY = ["--methods", "ddp,acco", "--seeds", "0", "--warmups", "2", "--lengths", "12", "--floors", "0",
+        "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--block-size", "32", "--batch-size", "4",
+        "--accum", "2", "--eval-interval", "6", "--eval-iters", "2", "--no-plots", "--ddp-lrs", ""]
+
+
+def expected_ratio(branches: dict, target: float, t_ddp: int):
+    """Updates to target over ``t_ddp``, from {T: fully decayed loss}: linear between the bracketing lengths."""
+    ts = sorted(branches)
+    for a, b in zip(ts, ts[1:]):
+        la, lb = branches[a], branches[b]
+        if la > target >= lb:
+            return (a + (b - a) * (la - target) / (la - lb)) / t_ddp
+    return None
+
+
+def _row(doc: str, method: str, t: int) -> list:
+    line = next(x for x in doc.splitlines() if x.startswith(f"| {method} | 2 | {t} | 0 | s0"))
+    return [c.strip() for c in line.strip("|").split("|")]
+
+
+def _speed(path, ddp_tps, acco_tps):
+    path.write_text("".join(json.dumps({"label": lab, "method": lab, "repeat": rep, "rate_mbit": 67.0,
+                                        "tokens_per_s": tps}) + "\n"
+                            for rep, (d, a) in enumerate(zip(ddp_tps, acco_tps)) for lab, tps in (("ddp", d), ("acco", a))))
+
+
+def test_smoke_runs_the_search_and_reports_what_its_records_hold(tmp_path):
+    records, doc, speed = tmp_path / "ttt.jsonl", tmp_path / "convergence.md", tmp_path / "speed.jsonl"
+    doc.write_text("# Convergence\n\nkept above\n")
+    _speed(speed, [100.0, 100.0, 90.0], [125.0, 110.0, 120.0])  # DDP/ACCO per repeat: 0.8, 0.909, 0.75
+    common = ["--records", str(records), "--doc", str(doc), "--speed", str(speed), "--workdir", str(tmp_path / "w")]
+    run_command([sys.executable, TOOL, *common, *TINY], timeout=900)
+    rs = [json.loads(line) for line in records.read_text().splitlines()]
+    kinds = [(r["kind"], r["method"]) for r in rs]
+    assert kinds[:3] == [("trunk", "ddp"), ("branch", "ddp"), ("trunk", "acco")], kinds
+    ddp = next(r for r in rs if r["kind"] == "branch" and r["method"] == "ddp")
+    assert (ddp["T"], ddp["start"], ddp["val"][-1]) == (12, 10, [12, ddp["final_val_loss"]])
+    acco = {r["T"]: r["final_val_loss"] for r in rs if r["kind"] == "branch" and r["method"] == "acco"}
+    assert 12 in acco and set(acco) <= {11, 12, 13, 14}, acco
+    for r in rs:
+        if r["kind"] == "branch":  # a branch resumes the trunk's checkpoint at 80% and cools down to its T
+            assert r["start"] == round(0.8 * r["T"]) and len(r["train_loss"]) == r["T"] - r["start"]
+    ratio = expected_ratio(acco, ddp["final_val_loss"], 12)
+    text = doc.read_text()
+    assert text.startswith("# Convergence\n\nkept above") and "time-to-target:begin" in text
+    row = _row(text, "ACCO", 12)
+    if ratio is None:  # the target lies outside the lengths searched: a bound, and the search went to the end
+        assert re.fullmatch(r"s0 [<>] \d\.\d{3}", row[4]), row
+        assert set(acco) in ({11, 12}, {12, 13, 14}), acco
+    else:
+        assert row[4] == f"s0 {ratio:.3f}" and row[5] == f"{ratio:.3f} (1 seeds)", row
+        composed = next(x for x in text.splitlines() if x.startswith("| ACCO | 2 | 12 | 0 | 0.800 [0.750–0.909]"))
+        assert f"s0 {ratio * 0.8:.3f}" in composed, composed
+    assert f"{(acco[12] - ddp['final_val_loss']) / ddp['final_val_loss']:+.2%}" == row[7]
+
+    # Nothing runs again; the report follows edited records: ACCO's branches made to bracket DDP's target.
+    target = ddp["final_val_loss"]
+    edited = [dict(r, final_val_loss=target + 0.3) if r["kind"] == "branch" and r["method"] == "acco" and r["T"] == 12
+              else dict(r, final_val_loss=target - 0.1) if r["kind"] == "branch" and r["method"] == "acco" else r
+              for r in rs]
+    if not any(r["kind"] == "branch" and r["method"] == "acco" and r["T"] == 13 for r in rs):
+        extra = next(r for r in rs if r["kind"] == "branch" and r["method"] == "acco")
+        edited.append(dict(extra, T=13, start=10, final_val_loss=target - 0.1))
+    records.write_text("".join(json.dumps(r) + "\n" for r in edited))
+    out = run_command([sys.executable, TOOL, *common, *TINY, "--report-only"], timeout=120)
+    assert "report:" in out
+    row = _row(doc.read_text(), "ACCO", 12)
+    assert row[4] == f"s0 {(12 + 0.3 / 0.4) / 12:.3f}", row  # 12 + (13 - 12) * 0.3 / 0.4 updates
+
+
+@pytest.mark.parametrize("losses,expect", [({11: 2.2, 12: 2.1, 13: 2.05, 14: 2.01}, "s0 > 1.167"),
+                                           ({11: 1.9, 12: 1.95}, "s0 < 0.917"),
+                                           ({12: 2.1, 13: 1.9}, "s0 1.042")])
+def test_search_outcomes_in_the_report(tmp_path, losses, expect):
+    """Beyond the lengths searched the report says so with a bound; inside, it interpolates."""
+    import time_to_target as ttt
+
+    args = ttt.parse([*TINY, "--records", str(tmp_path / "r.jsonl"), "--doc", str(tmp_path / "d.md"),
+                      "--speed", str(tmp_path / "none.jsonl")])
+    config = ttt.config_of(args)
+    base = {"lr": 2e-3, "warmup": 2, "seed": 0, "config": config, "floor": 0.0, "val": [], "train_loss": [],
+            "wall_s": 1.0}
+    rs = [dict(base, kind="branch", method="ddp", T=12, start=10, final_val_loss=2.0)]
+    rs += [dict(base, kind="branch", method="acco", T=t, start=round(0.8 * t), final_val_loss=v) for t, v in losses.items()]
+    s = ttt.summarize(rs, args)
+    text = ttt.report_markdown(s, args, {})
+    assert _row(text, "ACCO", 12)[4] == expect
