@@ -70,7 +70,7 @@ def test_smoke_runs_the_search_and_reports_what_its_records_hold(tmp_path):
         assert re.fullmatch(r"s0 [<>] \d\.\d{3}", row[4]), row
         assert set(acco) in ({11, 12}, {12, 13, 14}), acco
     else:
-        assert row[4] == f"s0 {ratio:.3f}" and row[5] == f"{ratio:.3f} (1 seeds)", row
+        assert row[4] == f"s0 {ratio:.3f}" and row[5] == f"{ratio:.3f} (1 seed)", row
         composed = next(x for x in text.splitlines() if x.startswith("| ACCO | 2 | 12 | 0 | 0.800 [0.750–0.909]"))
         assert f"s0 {ratio * 0.8:.3f}" in composed, composed
     assert f"{(acco[12] - ddp['final_val_loss']) / ddp['final_val_loss']:+.2%}" == row[7]

@@ -350,7 +350,7 @@ def report_markdown(s: dict, args: argparse.Namespace, speed: Dict[str, dict]) -
         ratios = [r["result"]["ratio"] for r in done if r["result"]["ratio"] is not None]
         extra = [r["result"]["updates"] - t for r in done if r["result"]["updates"] is not None]
         gaps = [(r["loss_at_T"] - r["target"]) / r["target"] for r in rs if r["loss_at_T"] is not None]
-        mean = f"{statistics.fmean(ratios):.3f} ({len(ratios)} seeds)" if ratios and len(ratios) == len(done) else "—"
+        mean = f"{statistics.fmean(ratios):.3f} ({len(ratios)} seed{'s' if len(ratios) != 1 else ''})" if ratios and len(ratios) == len(done) else "—"
         out.append(f"| {LABELS.get(m, m)} | {w} | {t} | {f:g} | {per} | {mean} | "
                    f"{f'{statistics.fmean(extra):+.0f}' if extra else '—'} | "
                    f"{f'{statistics.fmean(gaps):+.2%}' if gaps else '—'} |")
