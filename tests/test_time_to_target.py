@@ -19,10 +19,26 @@ from _dist import run_command
 
 HERE = os.path.dirname(__file__)
 TOOL = os.path.join(HERE, "..", "examples", "nanogpt", "time_to_target.py")
-sys.path.insert(0, os.path.join(HERE, "..", "examples", "nanogpt"))
 TINY = ["--methods", "ddp,acco", "--seeds", "0", "--warmups", "2", "--lengths", "12", "--floors", "0",
         "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--block-size", "32", "--batch-size", "4",
         "--accum", "2", "--eval-interval", "6", "--eval-iters", "2", "--no-plots", "--ddp-lrs", ""]
+
+
+def _tool():
+    """The study's module, by path: ``benchmarks/time_to_target.py`` has the same name and may be imported first."""
+    import importlib.util
+
+    sys.path.insert(0, os.path.dirname(TOOL))  # its own import of examples/nanogpt/study.py, not another study
+    other = sys.modules.pop("study", None)
+    try:
+        spec = importlib.util.spec_from_file_location("nanogpt_time_to_target", TOOL)
+        module = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(module)
+    finally:
+        sys.path.remove(os.path.dirname(TOOL))
+        if other is not None:
+            sys.modules["study"] = other
+    return module
 
 
 def expected_ratio(branches: dict, target: float, t_ddp: int):
@@ -95,8 +111,7 @@ def test_smoke_runs_the_search_and_reports_what_its_records_hold(tmp_path):
                                            ({12: 2.1, 13: 1.9}, "s0 1.042")])
 def test_search_outcomes_in_the_report(tmp_path, losses, expect):
     """Beyond the lengths searched the report says so with a bound; inside, it interpolates."""
-    import time_to_target as ttt
-
+    ttt = _tool()
     args = ttt.parse([*TINY, "--records", str(tmp_path / "r.jsonl"), "--doc", str(tmp_path / "d.md"),
                       "--speed", str(tmp_path / "none.jsonl")])
     config = ttt.config_of(args)

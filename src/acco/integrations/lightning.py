@@ -39,6 +39,7 @@ hand-written loop does around the optimizer):
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import functools
 import inspect
@@ -124,6 +125,7 @@ class AccoStrategy(DDPStrategy):
     def setup(self, trainer: "pl.Trainer") -> None:
         self._check_trainer(trainer)
         super().setup(trainer)
+        atexit.register(_release_default_group)
 
     def _check_trainer(self, trainer: "pl.Trainer") -> None:
         clip = trainer.gradient_clip_val
@@ -266,3 +268,14 @@ def _repoint(scheduler: Any, optimizer: AccoOptimizer) -> None:
 
 
 AccoStrategy.register_strategies(StrategyRegistry)
+
+
+def _release_default_group() -> None:
+    """At interpreter exit: destroy the default process group that Lightning created and never destroys.
+
+    gloo's worker threads release finished work when their group is destroyed; left to interpreter
+    finalisation, that can abort the process after a successful run ("terminate called without an
+    active exception", pytorch/pytorch#190489; seen here after ``trainer.validate``). No collective:
+    every call of the run has returned by now."""
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
