@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+import warnings
 
 import pytest
 import torch
@@ -21,10 +22,24 @@ pytest.importorskip("lightning")  # an extra: `make test` installs it, so CI run
 SCRIPT = os.path.join(os.path.dirname(__file__), "lightning_script.py")
 
 
+ABORT = "terminate called without an active exception"
+
+
 def _run(tmp, name, *args):
+    """One run of the script on 2 ranks. KNOWN DEFECT (open): a rank sometimes aborts at the end of fit with
+    gloo's ABORT (seen in the full suite, about half the runs of this file; not in isolation after the atexit
+    release). Such a run is retried once, with a warning in pytest's summary; any other failure, and a second
+    abort, fails the test."""
     out = os.path.join(tmp, f"{name}.json")
-    run_command([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", SCRIPT,
-                 "--out", out, *args], timeout=300)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", SCRIPT,
+           "--out", out, *args]
+    try:
+        run_command(cmd, timeout=300)
+    except AssertionError as exc:
+        if ABORT not in str(exc):
+            raise
+        warnings.warn(f"lightning_script.py {name}: a rank aborted ({ABORT!r}); retrying once (known defect)")
+        run_command(cmd, timeout=300)
     with open(out) as f:
         return json.load(f)
 
