@@ -10,7 +10,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
-from typing import Dict, List, Optional, Sequence
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import netns
 
@@ -38,30 +38,38 @@ def check_loop(methods: Sequence[str], loop: str) -> None:
                  "(accumulate_while_communicating=True) does: drop it from --methods or use --loop awc")
 
 
+def run_processes(cmds: Sequence[Sequence[str]], env: Optional[Dict[str, str]] = None,
+                  timeout: float = 900.0) -> Tuple[List[str], bool]:
+    """Run ``cmds`` (``torchrun_commands``) at once, each in its own session with ``OMP_NUM_THREADS=1``; wait for
+    all, kill what is left after ``timeout``. Returns each one's output and whether any failed or timed out."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    procs = [subprocess.Popen(list(cmd), env=full_env, start_new_session=True, stdout=subprocess.PIPE,
+                              stderr=subprocess.STDOUT, text=True) for cmd in cmds]
+    logs, failed = [], False
+    try:
+        for p in procs:
+            text, _ = p.communicate(timeout=timeout)
+            logs.append(text)
+            failed |= p.returncode != 0
+    except subprocess.TimeoutExpired:
+        failed = True
+        logs.append(f"timed out after {timeout} s")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
+    return logs, failed
+
+
 def run_worker(worker_args: Sequence[str], ranks: int, loopback: bool, env: Optional[Dict[str, str]] = None,
                timeout: float = 900.0, script: Path = WORKER) -> dict:
     """Run ``script`` (``worker.py``) on ``ranks`` ranks; return the record rank 0 wrote to ``--out``.
     Raises on failure or timeout."""
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "record.json"
-        full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
-        procs = [subprocess.Popen(cmd + ["--out", str(out)], env=full_env, start_new_session=True,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-                 for cmd in torchrun_commands(worker_args, ranks, loopback, script)]
-        logs, failed = [], False
-        try:
-            for p in procs:
-                text, _ = p.communicate(timeout=timeout)
-                logs.append(text)
-                failed |= p.returncode != 0
-        except subprocess.TimeoutExpired:
-            failed = True
-            logs.append(f"timed out after {timeout} s")
-        finally:
-            for p in procs:
-                if p.poll() is None:
-                    os.killpg(p.pid, signal.SIGKILL)
-                    p.wait()
+        cmds = [cmd + ["--out", str(out)] for cmd in torchrun_commands(worker_args, ranks, loopback, script)]
+        logs, failed = run_processes(cmds, env, timeout)
         if not out.exists():
             raise RuntimeError(f"worker {' '.join(worker_args)} failed:\n" + "\n".join(t[-3000:] for t in logs))
         record = json.loads(out.read_text())

@@ -28,10 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import random
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import time
@@ -43,6 +40,7 @@ NANOGPT = ROOT / "examples" / "nanogpt"
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(NANOGPT))
 
+import _launch  # noqa: E402
 import netns  # noqa: E402
 
 # method -> (script, instrument.py flags): the study's (examples/nanogpt/time_to_target.py)
@@ -67,28 +65,10 @@ def run(method: str, extra: list, out: Path, loopback: bool, timeout: float) -> 
     """One run of ``method`` on 2 ranks (one per namespace, or loopback); its logs."""
     script, flags = METHODS[method]
     out.mkdir(parents=True, exist_ok=True)
-    tail = [str(NANOGPT / "instrument.py"), *flags, str(NANOGPT / script), f"--out_dir={out}", *extra]
-    base = [sys.executable, "-m", "torch.distributed.run"]
-    if loopback:
-        cmds = [base + ["--standalone", "--nproc-per-node", "2", *tail]]
-    else:
-        port = str(random.randint(20000, 40000))
-        cmds = [netns.exec_prefix(k) + ["env", f"GLOO_SOCKET_IFNAME={netns.IFACE}"] + base
-                + ["--nnodes", "2", "--nproc-per-node", "1", "--node-rank", str(k), "--master-addr",
-                   netns.rank_addr(0), "--master-port", port, *tail] for k in range(2)]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    procs = [subprocess.Popen(c, env=env, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                              text=True) for c in cmds]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=timeout)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                os.killpg(p.pid, signal.SIGKILL)
-                p.wait()
-    if any(p.returncode for p in procs) or not (out / "train_log.json").exists():
+    cmds = _launch.torchrun_commands([*flags, str(NANOGPT / script), f"--out_dir={out}", *extra], 2, loopback,
+                                     script=NANOGPT / "instrument.py")
+    logs, failed = _launch.run_processes(cmds, timeout=timeout)
+    if failed or not (out / "train_log.json").exists():
         raise RuntimeError(f"{method} failed:\n" + "\n".join(text[-3000:] for text in logs))
     return {"train": json.loads((out / "train_log.json").read_text()), "val": json.loads((out / "log.json").read_text())}
 

@@ -64,7 +64,7 @@ def _reference_opt(opt_name: str):
     cls, kw = OPTIMIZERS[opt_name]
     if cls != "split":
         return lambda ps: cls(ps, **kw)
-    rest = [i for i in range(5) if i not in MATRICES]
+    rest = [i for i in range(len(list(make_model().parameters()))) if i not in MATRICES]
     return lambda ps: Split(ps, [(torch.optim.Muon, list(MATRICES), kw["muon"]), (torch.optim.AdamW, rest, kw["adamw"])])
 
 

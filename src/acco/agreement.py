@@ -15,8 +15,9 @@ from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
-__all__ = ["CALLS_AFTER_ROUNDS", "COLLECTIVE_CALLS", "waiting_failed", "all_gather_row", "broadcast_parameters", "check_same_model", "check_same_round_count", "digest",
-           "fingerprints", "hyper_fingerprint", "sync_buffers"]
+__all__ = ["CALLS_AFTER_ROUNDS", "COLLECTIVE_CALLS", "all_gather_row", "broadcast_parameters", "check_same_model",
+           "check_same_round_count", "digest", "fingerprints", "first_line", "hyper_fingerprint", "sync_buffers",
+           "waiting_failed"]
 
 
 def digest(text: str) -> int:
@@ -73,11 +74,15 @@ COLLECTIVE_CALLS = ("AccoOptimizer(...) construction", "step() (the first update
 CALLS_AFTER_ROUNDS = COLLECTIVE_CALLS[2:]
 
 
+def first_line(exc: BaseException, limit: int = 300) -> str:
+    """The first line of what ``exc`` says (gloo's and DCP's messages run on with their own tracebacks)."""
+    return (str(exc).strip().splitlines() or [""])[0][:limit]
+
+
 def waiting_failed(call: str, exc: BaseException) -> RuntimeError:
     """gloo's "Timed out waiting ...", "Connection closed by peer" in public call ``call``, with acco's context."""
-    first = (str(exc).strip().splitlines() or [""])[0][:300]
     return RuntimeError(
-        f"AccoOptimizer {call}: waiting for the other ranks failed ({first}). {call} is collective: every rank "
+        f"AccoOptimizer {call}: waiting for the other ranks failed ({first_line(exc)}). {call} is collective: every rank "
         "must make this call at the same point of the loop. A rank that never makes it, or is in another "
         "collective, leaves the others waiting until the optimizer's timeout (without one, the process "
         "group's); or a peer died."

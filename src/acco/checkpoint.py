@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 
 from . import state_legacy
+from .agreement import first_line
 from .checksums import CheckpointError, checksums, replicated_only, verify
 from .progress import Progress
 from .state_format import FORMAT_VERSION, GATHERED, IMPLEMENTATION_FLAGS, check_compatible, decode_meta, parse_piece_key
@@ -127,9 +128,8 @@ def _barrier(group, path: str) -> None:
     try:
         dist.barrier(group=group)
     except RuntimeError as exc:
-        first = (str(exc).strip().splitlines() or [""])[0][:300]
         raise RuntimeError(
-            f"acco.checkpoint.save({path!r}): waiting for the other ranks failed ({first}). A peer died or left "
+            f"acco.checkpoint.save({path!r}): waiting for the other ranks failed ({first_line(exc)}). A peer died or left "
             "during the save: this checkpoint is incomplete and acco.checkpoint.latest() never picks it; the "
             "previous complete one is intact. Restart from it."
         ) from exc
@@ -196,11 +196,9 @@ def _dcp_cause(exc: BaseException) -> str:
         parts = []
         for rank, failure in sorted(failures.items()):
             inner = failure[0] if isinstance(failure, tuple) else failure
-            first = (str(inner).strip().splitlines() or [""])[0][:200]
-            parts.append(f"rank {rank}: {type(inner).__name__}: {first}")
+            parts.append(f"rank {rank}: {type(inner).__name__}: {first_line(inner, 200)}")
         return "; ".join(parts)
-    first = (str(exc).strip().splitlines() or [""])[0][:300]
-    return f"{type(exc).__name__}: {first}"
+    return f"{type(exc).__name__}: {first_line(exc)}"
 
 
 def resolve(path: str) -> str:

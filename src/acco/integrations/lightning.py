@@ -125,6 +125,7 @@ class AccoStrategy(DDPStrategy):
     def setup(self, trainer: "pl.Trainer") -> None:
         self._check_trainer(trainer)
         super().setup(trainer)
+        atexit.unregister(_release_default_group)  # once, however many fit/validate calls set the strategy up
         atexit.register(_release_default_group)
 
     def _check_trainer(self, trainer: "pl.Trainer") -> None:
@@ -275,7 +276,8 @@ def _release_default_group() -> None:
 
     gloo's worker threads release finished work when their group is destroyed; left to interpreter
     finalisation, that can abort the process after a successful run ("terminate called without an
-    active exception", pytorch/pytorch#190489; seen here after ``trainer.validate``). No collective:
-    every call of the run has returned by now."""
+    active exception", pytorch/pytorch#190489). No collective: every call of the run has returned by now.
+    (The same abort also appears, intermittently, at the end of ``fit`` in tests/test_lightning.py, before
+    exit: that one is not explained by this and is still open.)"""
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.destroy_process_group()
