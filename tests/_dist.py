@@ -19,7 +19,7 @@ import subprocess
 import tempfile
 import time
 import traceback
-from typing import Any, Callable, List, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
@@ -95,13 +95,14 @@ def run_ranks(fn: Callable, world_size: int, *args: Any, timeout: float = DEFAUL
     return [out[r] for r in range(world_size)]
 
 
-def run_command(cmd: List[str], timeout: float) -> str:
-    """Run ``cmd`` (e.g. torchrun) with OMP_NUM_THREADS=1; return its output, fail on error or timeout.
+def run_command(cmd: List[str], timeout: float, env: Optional[Dict[str, str]] = None) -> str:
+    """Run ``cmd`` (e.g. torchrun) with OMP_NUM_THREADS=1 (and ``env``); return its output, fail on error or
+    timeout.
 
     The command gets a session of its own, so on a timeout it dies with all its
     children (torchrun's ranks) instead of leaving them behind.
     """
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
                             start_new_session=True)
     try:

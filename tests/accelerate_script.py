@@ -1,7 +1,8 @@
 """An accelerate loop with torch AdamW (the accelerate idiom) or AccoOptimizer (the recipe of docs/integrations.md),
 on a tiny GPT-2, under torchrun (2 gloo ranks).
 
-usage: accelerate_script.py OUT {adamw|acco} [--save-at N] [--resume DIR]
+usage: accelerate_script.py OUT {adamw|acco|split} [--save-at N] [--resume DIR]
+split: the Muon + AdamW split (the blocks' 2-D weights to Muon, lr 0.02) as one AccoOptimizer (docs/integrations.md).
 Writes OUT/result.json (eval loss, all-reduces inside backward passes) and OUT/final.pt (rank 0).
 """
 
@@ -20,7 +21,7 @@ from acco import AccoOptimizer
 
 parser = argparse.ArgumentParser()
 parser.add_argument("out")
-parser.add_argument("variant", choices=["adamw", "acco"])
+parser.add_argument("variant", choices=["adamw", "acco", "split"])
 parser.add_argument("--save-at", type=int, default=-1)
 parser.add_argument("--resume", default=None)
 cli = parser.parse_args()
@@ -44,8 +45,15 @@ if cli.variant == "adamw":
     model, opt, loader, sched = accelerator.prepare(model, opt, loader, sched)
 else:
     model, loader = accelerator.prepare(model, loader)  # not the optimizer
-    opt = AccoOptimizer(model.parameters(), torch.optim.AdamW, microbatches_per_update=ACCUM, max_grad_norm=1.0,
-                        buffers=model.buffers(), lr=1e-3, weight_decay=0.1)
+    if cli.variant == "split":
+        hidden = [p for n, p in model.named_parameters() if p.ndim == 2 and ".h." in n]
+        others = [p for n, p in model.named_parameters() if not (p.ndim == 2 and ".h." in n)]
+        opt = AccoOptimizer.from_optimizer([torch.optim.Muon(hidden, lr=0.02),
+                                            torch.optim.AdamW(others, lr=1e-3, weight_decay=0.1)],
+                                           microbatches_per_update=ACCUM, max_grad_norm=1.0, buffers=model.buffers())
+    else:
+        opt = AccoOptimizer(model.parameters(), torch.optim.AdamW, microbatches_per_update=ACCUM, max_grad_norm=1.0,
+                            buffers=model.buffers(), lr=1e-3, weight_decay=0.1)
     acco.integrations.accelerate.prepare(accelerator, model, opt)
     sched = accelerator.prepare(torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda))
 
@@ -84,7 +92,7 @@ for batch in batches:
                              and any(r.start <= e.time_range.start <= r.end for r in ranges))
             prof = None
         if done == cli.save_at:
-            ctx = opt.committed_weights() if cli.variant == "acco" else torch.no_grad()
+            ctx = opt.committed_weights() if cli.variant != "adamw" else torch.no_grad()
             with ctx:
                 accelerator.save_state(os.path.join(cli.out, "ckpt"))
             if accelerator.is_main_process:
@@ -92,7 +100,7 @@ for batch in batches:
         if done == UPDATES:
             break
 
-if cli.variant == "acco":
+if cli.variant != "adamw":
     opt.finish()  # the model now holds the last committed weights
 unwrapped = accelerator.unwrap_model(model)
 unwrapped.eval()

@@ -1,6 +1,8 @@
 """transformers.Trainer (AdamW, DDP) or acco's AccoTrainer on a tiny GPT-2, under torchrun (2 gloo ranks).
 
-usage: hf_trainer_script.py OUT {adamw|acco} [RESUME_CHECKPOINT]
+usage: hf_trainer_script.py OUT {adamw|acco|split|split-sync} [RESUME_CHECKPOINT]
+split / split-sync: the Muon + AdamW split (the blocks' 2-D weights to Muon, lr 0.02), built by the user as one
+AccoOptimizer and passed as AccoTrainer(optimizers=(opt, None)), in mode acco / sync (docs/integrations.md).
 Writes OUT/result.json (eval loss, large all-reduces seen in backward) and OUT/final.pt (rank 0).
 """
 
@@ -61,6 +63,18 @@ if variant == "acco":
     from acco.integrations.hf import AccoTrainer
 
     trainer = AccoTrainer(**kw)
+elif variant.startswith("split"):
+    from acco import AccoOptimizer
+    from acco.integrations.hf import AccoTrainer
+
+    mode = "sync" if variant == "split-sync" else "acco"
+    hidden = [p for n, p in model.named_parameters() if p.ndim == 2 and ".h." in n]
+    others = [p for n, p in model.named_parameters() if not (p.ndim == 2 and ".h." in n)]
+    opt = AccoOptimizer.from_optimizer([torch.optim.Muon(hidden, lr=0.02),
+                                        torch.optim.AdamW(others, lr=1e-3, weight_decay=0.1)],
+                                       mode=mode, microbatches_per_update=2 if mode == "acco" else None,
+                                       max_grad_norm=1.0)
+    trainer = AccoTrainer(**kw, optimizers=(opt, None), acco_mode=mode)
 else:
     trainer = Trainer(**kw)
 trainer.accelerator.backward = labelled_backward(trainer.accelerator.backward)

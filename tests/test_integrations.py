@@ -106,3 +106,44 @@ def test_import_acco_reaches_the_integrations():
     out = run_command([sys.executable, "-c", "import acco; print(acco.integrations.accelerate.prepare.__name__, "
                        "acco.integrations.hf.AccoTrainer.__name__)"], timeout=120)
     assert "prepare AccoTrainer" in out
+
+
+def _split(model, **options):
+    """The Muon + AdamW split as one AccoOptimizer (2-D weights of the blocks to Muon), in one process."""
+    from acco import AccoOptimizer
+
+    hidden = [p for n, p in model.named_parameters() if p.ndim == 2 and ".h." in n]
+    others = [p for n, p in model.named_parameters() if not (p.ndim == 2 and ".h." in n)]
+    return AccoOptimizer.from_optimizer([torch.optim.Muon(hidden, lr=0.02), torch.optim.AdamW(others, lr=1e-3)],
+                                        **options)
+
+
+def test_acco_trainer_takes_a_split_built_by_the_user(tmp_path):
+    """Check AccoTrainer(optimizers=(split, None)) trains with the Muon + AdamW split as it was built, and refuses
+    one whose clipping or micro-batches disagree with TrainingArguments (Trainer no longer clips .grad, so its
+    max_grad_norm would be dropped without a word), naming the setting to change."""
+    sys.path.insert(0, HERE)
+    from bytes_data import Bytes
+    from transformers import GPT2Config, GPT2LMHeadModel, TrainingArguments
+
+    from acco.integrations.hf import AccoTrainer
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=64, n_embd=32, n_layer=1, n_head=2))
+    args = TrainingArguments(output_dir=str(tmp_path), use_cpu=True, per_device_train_batch_size=2,
+                             gradient_accumulation_steps=2, max_steps=3, report_to=[], save_strategy="no",
+                             disable_tqdm=True)
+    with pytest.raises(ValueError, match="has max_grad_norm=None but TrainingArguments\\(max_grad_norm\\)=1.0"):
+        AccoTrainer(model=model, args=args, optimizers=(_split(model, microbatches_per_update=2), None))
+    with pytest.raises(ValueError, match="microbatches_per_update=4 but TrainingArguments\\(gradient_accumulation_"
+                                         "steps\\)=2: build it with microbatches_per_update=2"):
+        AccoTrainer(model=model, args=args,
+                    optimizers=(_split(model, microbatches_per_update=4, max_grad_norm=1.0), None))
+    with pytest.raises(ValueError, match="mode='sync' but AccoTrainer\\(acco_mode\\)='acco'"):
+        AccoTrainer(model=model, args=args, optimizers=(_split(model, mode="sync", max_grad_norm=1.0), None))
+    opt = _split(model, microbatches_per_update=2, max_grad_norm=1.0)
+    trainer = AccoTrainer(model=model, args=args, train_dataset=Bytes(0, 16), optimizers=(opt, None))
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer.train()
+    assert trainer.acco_optimizer is opt and opt.finished and trainer.state.global_step == 3
+    assert all(not torch.equal(b, p) for b, p in zip(before, model.parameters()) if p.ndim == 2)

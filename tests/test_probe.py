@@ -6,10 +6,11 @@ import json
 import sys
 
 import pytest
+import torch
 
 from _dist import run_command
 
-from acco.probe import parse_count, predict
+from acco.probe import measure_round, parse_count, parse_matrix, predict, probe_parameters
 
 
 def test_parse_count():
@@ -79,3 +80,21 @@ def test_probe_refuses_missing_compute():
     """Check that without --compute-seconds or --tokens the probe says what to give."""
     with pytest.raises(AssertionError, match="give --compute-seconds"):
         run_command([sys.executable, "-m", "acco.probe", "--params", "1M"], timeout=60)
+
+
+def test_probe_with_muon_steps_whole_matrices():
+    """Check --optimizer muon times rounds of torch.optim.Muon on whole matrices of the given shape (Muon refuses
+    anything but 2-D, so a flat slice would fail), on 2 ranks, and that its options are checked."""
+    assert parse_matrix("768x3072") == (768, 3072) and parse_matrix(" 64 X 32 ") == (64, 32)
+    with pytest.raises(ValueError, match="such as 768x3072.*got '768'"):
+        parse_matrix("768")
+    assert [tuple(p.shape) for p in probe_parameters(200_000, torch.float32, torch.device("meta"), (128, 128))] \
+        == [(128, 128)] * 12
+    assert measure_round(20_000, torch.float32, torch.device("cpu"), rounds=1, warmup=0,
+                         optimizer_class=torch.optim.Muon, matrix=(32, 64)) > 0
+    r = _probe("--params", "200k", "--optimizer", "muon", "--matrix", "128x128", "--compute-seconds", "0.05",
+               "--rounds", "2", ranks=2)
+    assert r["stepped"] == "Muon on 12 whole 128x128 matrices" and r["round_s"] > 0
+    with pytest.raises(AssertionError, match="--optimizer muon needs --matrix"):
+        run_command([sys.executable, "-m", "acco.probe", "--params", "1M", "--optimizer", "muon",
+                     "--compute-seconds", "0.1"], timeout=60)

@@ -15,6 +15,11 @@ ZeRO-1 (``T_compute + T_round``) and of acco (``max(T_compute, 2 T_round)``:
 two rounds per update, each hidden behind half the mini-batch), the speedup,
 and what to do. ``--json`` prints the numbers instead. Collective: all ranks
 run it.
+
+With ``--optimizer muon --matrix 768x3072`` the rounds step ``torch.optim.Muon``
+on ``--params / (768*3072)`` matrices of that shape, placed whole (each on one
+owner rank, which runs its Newton–Schulz iterations inside the round): give the
+shape of your hidden matrices, and count only them in ``--params``.
 """
 
 from __future__ import annotations
@@ -27,12 +32,12 @@ import os
 import re
 import time
 from dataclasses import asdict, dataclass
-from typing import List, Optional
+from typing import List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["Prediction", "measure_round", "parse_count", "predict"]
+__all__ = ["Prediction", "measure_round", "parse_count", "parse_matrix", "predict", "probe_parameters"]
 
 _SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9}
 
@@ -92,14 +97,36 @@ def predict(compute_s: float, round_s: float, microbatches_per_half: int = 1) ->
                       hidden, k, text)
 
 
-def measure_round(numel: int, dtype: torch.dtype, device: torch.device, rounds: int = 5, warmup: int = 2) -> float:
-    """Mean seconds of a real sync round on a ``numel``-element model. Collective: call on all ranks."""
+def parse_matrix(text: str) -> Tuple[int, int]:
+    """``"768x3072"`` -> ``(768, 3072)``."""
+    m = re.fullmatch(r"\s*([0-9]+)\s*[xX*]\s*([0-9]+)\s*", str(text))
+    if not m or int(m.group(1)) < 1 or int(m.group(2)) < 1:
+        raise ValueError(f"expected a matrix shape such as 768x3072 (your hidden matrices'), got {text!r}")
+    return int(m.group(1)), int(m.group(2))
+
+
+def probe_parameters(numel: int, dtype: torch.dtype, device: torch.device,
+                     matrix: Optional[Tuple[int, int]] = None) -> List[torch.nn.Parameter]:
+    """The model the rounds step: one flat ``numel``-element tensor, or (``matrix``) ``numel / (rows*cols)``
+    matrices of that shape (at least one)."""
+    if matrix is None:
+        return [torch.nn.Parameter(torch.zeros(numel, dtype=dtype, device=device))]
+    count = max(1, round(numel / (matrix[0] * matrix[1])))
+    return [torch.nn.Parameter(torch.zeros(matrix, dtype=dtype, device=device)) for _ in range(count)]
+
+
+def measure_round(numel: int, dtype: torch.dtype, device: torch.device, rounds: int = 5, warmup: int = 2,
+                  optimizer_class: type = torch.optim.AdamW, matrix: Optional[Tuple[int, int]] = None) -> float:
+    """Mean seconds of a real sync round on a ``numel``-element model (``matrix``: matrices of that shape)
+    stepped by ``optimizer_class``. Collective: call on all ranks."""
     from .optimizer import AccoOptimizer
 
-    param = torch.nn.Parameter(torch.zeros(numel, dtype=dtype, device=device))
-    opt = AccoOptimizer([param], mode="sync", accumulate_while_communicating=True, lr=1e-6)  # step() without backward
+    params = probe_parameters(numel, dtype, device, matrix)
+    opt = AccoOptimizer(params, optimizer_class, mode="sync", accumulate_while_communicating=True,
+                        lr=1e-6)  # step() without backward
     for _ in range(warmup + rounds):
-        param.grad.fill_(1e-3)
+        for p in params:  # not all equal: Muon's Newton-Schulz then works on a full-rank matrix, as in training
+            p.grad.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(0)).to(p.grad) * 1e-3)
         opt.step()  # sync: the round runs to completion
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # a CPU-GPU sync point: the rounds' timing events must be complete
@@ -144,6 +171,9 @@ def _parse(argv: Optional[List[str]]):
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None,
                    help="compute dtype (default: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw",
+                   help="muon: torch.optim.Muon on whole matrices of --matrix's shape")
+    p.add_argument("--matrix", default=None, help="with --optimizer muon: your hidden matrices' shape, e.g. 768x3072")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     if args.compute_seconds is None and args.tokens is None:
@@ -152,6 +182,15 @@ def _parse(argv: Optional[List[str]]):
         p.error(f"--compute-seconds must be positive, got {args.compute_seconds}")
     if args.microbatches_per_half < 1 or args.rounds < 1:
         p.error("--microbatches-per-half and --rounds must be at least 1")
+    if args.optimizer == "muon" and args.matrix is None:
+        p.error("--optimizer muon needs --matrix: the shape of your hidden matrices (e.g. 768x3072); count only "
+                "them in --params")
+    if args.optimizer != "muon" and args.matrix is not None:
+        p.error(f"--matrix {args.matrix} applies to --optimizer muon only (AdamW steps a flat 1/N slice)")
+    try:
+        args.matrix = parse_matrix(args.matrix) if args.matrix is not None else None
+    except ValueError as exc:
+        p.error(str(exc))
     return args
 
 
@@ -167,7 +206,12 @@ def main(argv: Optional[List[str]] = None) -> None:
     dtype = names[args.dtype] if args.dtype else (torch.bfloat16 if cuda else torch.float32)
     world = dist.get_world_size() if dist.is_initialized() else 1
 
-    round_s = _all_max(measure_round(args.params, dtype, device, args.rounds), device)
+    optimizer_class = torch.optim.Muon if args.optimizer == "muon" else torch.optim.AdamW
+    round_s = _all_max(measure_round(args.params, dtype, device, args.rounds, optimizer_class=optimizer_class,
+                                     matrix=args.matrix), device)
+    stepped = (f"{optimizer_class.__name__} on a flat slice" if args.matrix is None else
+               f"{optimizer_class.__name__} on {len(probe_parameters(args.params, dtype, torch.device('meta'), args.matrix))} "
+               f"whole {args.matrix[0]}x{args.matrix[1]} matrices")
     if args.compute_seconds is not None:
         compute_s, source = args.compute_seconds, "given"
     else:
@@ -177,10 +221,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     if not dist.is_initialized() or dist.get_rank() == 0:
         if args.json:
             print(json.dumps({**asdict(pred), "ranks": world, "params": args.params, "dtype": str(dtype),
-                              "device": device.type, "compute_source": source}))
+                              "device": device.type, "compute_source": source, "stepped": stepped}))
         else:
             lines = [
-                f"acco.probe: {world} rank(s), {args.params / 1e6:.1f}M parameters, {dtype}, {device.type}",
+                f"acco.probe: {world} rank(s), {args.params / 1e6:.1f}M parameters, {dtype}, {device.type}, {stepped}",
                 f"  half mini-batch compute: {pred.compute_half_s * 1e3:8.1f} ms ({source})",
                 f"  one round:               {pred.round_s * 1e3:8.1f} ms (measured, slowest rank)",
                 f"  update, sync ZeRO-1:     {pred.sync_update_s * 1e3:8.1f} ms  = compute + round",

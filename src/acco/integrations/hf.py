@@ -6,7 +6,11 @@ and ``acco_kwargs``. What it changes, and why:
 * **The optimizer.** Built in ``create_optimizer`` (after Trainer has placed the
   model), from Trainer's own choice (``args.optim``, learning rate, betas,
   weight-decay groups), as an ``AccoOptimizer`` around that class, with
-  ``microbatches_per_update=args.gradient_accumulation_steps``.
+  ``microbatches_per_update=args.gradient_accumulation_steps``. Or built by
+  you (the Muon + AdamW split: ``AccoOptimizer.from_optimizer([muon, adamw],
+  ...)``) and passed as ``optimizers=(opt, None)``: taken as it is, once its
+  mode, ``max_grad_norm`` and ``microbatches_per_update`` are found to agree
+  with ``acco_mode`` and ``TrainingArguments`` (else ``ValueError`` naming both).
 * **One gradient communication.** Trainer wraps the model in DDP; its
   all-reduce is switched off (:func:`acco.disable_gradient_allreduce`) before
   the first backward: the optimizer averages the gradients as DDP would.
@@ -41,6 +45,7 @@ import torch
 from .. import checkpoint as acco_checkpoint
 from ..ddp import disable_gradient_allreduce
 from ..optimizer import AccoOptimizer
+from ._given import check_given_optimizer
 
 try:
     from transformers import Trainer
@@ -99,6 +104,11 @@ class AccoTrainer(Trainer):
                 "was passed: choose the wrapped optimizer with TrainingArguments(optim=..., learning_rate=...), "
                 "or pass an AccoOptimizer"
             )
+        if isinstance(self.optimizer, AccoOptimizer):  # built by the user (the Muon + AdamW split): taken as it is
+            check_given_optimizer(self.optimizer, "AccoTrainer(optimizers=(...))", mode=acco_mode,
+                                  mode_setting="AccoTrainer(acco_mode)", clip=self.args.max_grad_norm,
+                                  clip_setting="TrainingArguments(max_grad_norm)", microbatches=steps,
+                                  microbatches_setting="TrainingArguments(gradient_accumulation_steps)")
 
     # ----------------------------------------------------------------- optimizer
 
