@@ -92,9 +92,9 @@ def test_probe_with_muon_steps_whole_matrices():
         == [(128, 128)] * 12
     assert measure_round(20_000, torch.float32, torch.device("cpu"), rounds=1, warmup=0,
                          optimizer_class=torch.optim.Muon, matrix=(32, 64)) > 0
-    r = _probe("--params", "200k", "--optimizer", "muon", "--matrix", "128x128", "--compute-seconds", "0.05",
+    r = _probe("--params", "20k", "--optimizer", "muon", "--matrix", "32x32", "--compute-seconds", "0.05",
                "--rounds", "2", ranks=2)
-    assert r["stepped"] == "Muon on 12 whole 128x128 matrices" and r["round_s"] > 0
+    assert r["stepped"] == "Muon on 20 whole 32x32 matrices" and r["round_s"] > 0
     with pytest.raises(AssertionError, match="--optimizer muon needs --matrix"):
         run_command([sys.executable, "-m", "acco.probe", "--params", "1M", "--optimizer", "muon",
                      "--compute-seconds", "0.1"], timeout=60)
