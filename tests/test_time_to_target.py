@@ -106,11 +106,12 @@ def test_smoke_runs_the_search_and_reports_what_its_records_hold(tmp_path):
     assert row[4] == f"s0 {(12 + 0.3 / 0.4) / 12:.3f}", row  # 12 + (13 - 12) * 0.3 / 0.4 updates
 
 
-@pytest.mark.parametrize("losses,expect", [({11: 2.2, 12: 2.1, 13: 2.05, 14: 2.01}, "s0 > 1.167"),
-                                           ({11: 1.9, 12: 1.95}, "s0 < 0.917"),
-                                           ({12: 2.1, 13: 1.9}, "s0 1.042")])
-def test_search_outcomes_in_the_report(tmp_path, losses, expect):
-    """Beyond the lengths searched the report says so with a bound; inside, it interpolates."""
+@pytest.mark.parametrize("losses,expect,mean", [({11: 2.2, 12: 2.1, 13: 2.05, 14: 2.01}, "s0 > 1.167", "≥ 1.167 (1 seed)"),
+                                                ({11: 1.9, 12: 1.95}, "s0 < 0.917", "≤ 0.917 (1 seed)"),
+                                                ({12: 2.1, 13: 1.9}, "s0 1.042", "1.042 (1 seed)")])
+def test_search_outcomes_in_the_report(tmp_path, losses, expect, mean):
+    """Beyond the lengths searched the report says so with a bound, and the mean is a bound; inside, it
+    interpolates."""
     ttt = _tool()
     args = ttt.parse([*TINY, "--records", str(tmp_path / "r.jsonl"), "--doc", str(tmp_path / "d.md"),
                       "--speed", str(tmp_path / "none.jsonl")])
@@ -121,4 +122,37 @@ def test_search_outcomes_in_the_report(tmp_path, losses, expect):
     rs += [dict(base, kind="branch", method="acco", T=t, start=round(0.8 * t), final_val_loss=v) for t, v in losses.items()]
     s = ttt.summarize(rs, args)
     text = ttt.report_markdown(s, args, {})
-    assert _row(text, "ACCO", 12)[4] == expect
+    assert _row(text, "ACCO", 12)[4] == expect and _row(text, "ACCO", 12)[5] == mean
+
+
+def test_mean_over_seeds_with_a_bound():
+    """Check the mean of an exact seed and a bounded one is a bound on that side, and both sides give none."""
+    ttt = _tool()
+    exact, below, above = {"ratio": 1.1, "updates": 550}, {"ratio": None, "bound": "< 0.917"}, \
+        {"ratio": None, "bound": "> 1.167"}
+    assert ttt.mean_bounded([exact, below]) == (pytest.approx((1.1 + 11 / 12) / 2), "<")
+    assert ttt.mean_cell([exact, below]) == f"≤ {(1.1 + 11 / 12) / 2:.3f}"
+    assert ttt.mean_cell([exact, above], fmt=lambda x: f"{x * 500 - 500:+.0f}") == f"≥ {((1.1 + 14 / 12) / 2) * 500 - 500:+.0f}"
+    assert ttt.mean_cell([below, above]) == "—" and ttt.mean_cell([exact]) == "1.100"
+
+
+def test_the_ddp_loops_chain_follows_the_schedule_after_a_resume():
+    """Check a resumed DDP branch cools down: the rate the loop sets through Chain.param_groups reaches the torch
+    optimizers after load_state_dict (which replaces their group dicts; a list of groups taken at construction
+    kept the checkpoint's peak rate for the whole branch), for AdamW alone and the Muon + AdamW split."""
+    import torch
+
+    sys.path.insert(0, os.path.join(HERE, "..", "examples", "nanogpt"))
+    from optim import Chain
+
+    for two in (False, True):
+        params = [torch.nn.Parameter(torch.ones(3, 3)), torch.nn.Parameter(torch.ones(3))]
+        optimizers = [torch.optim.AdamW(params[1:], lr=2e-3)]
+        if two:
+            optimizers.insert(0, torch.optim.Muon(params[:1], lr=2e-3))
+        chain = Chain(optimizers)
+        saved = chain.state_dict()
+        chain.load_state_dict(saved)  # a branch resumed from the trunk's checkpoint
+        for g in chain.param_groups:
+            g["lr"] = 1e-4  # the cool-down's rate
+        assert [g["lr"] for o in optimizers for g in o.param_groups] == [1e-4] * len(optimizers)

@@ -37,7 +37,12 @@ class Chain:
 
     def __init__(self, optimizers: List[torch.optim.Optimizer]) -> None:
         self.optimizers = optimizers
-        self.param_groups = [g for o in optimizers for g in o.param_groups]
+
+    @property
+    def param_groups(self) -> List[dict]:
+        """The optimizers' groups, read at each call: torch's ``load_state_dict`` replaces an optimizer's group
+        dicts, so a list taken once would miss every ``lr`` a schedule sets after a resume."""
+        return [g for o in self.optimizers for g in o.param_groups]
 
     def step(self) -> None:
         for o in self.optimizers:

@@ -40,7 +40,7 @@ import statistics
 import sys
 import tempfile
 from pathlib import Path
-from typing import Dict, List, Optional, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 from study import ROOT, launch, load_records, machine
 
@@ -266,6 +266,32 @@ def run_missing(args: argparse.Namespace) -> None:
 LABELS = {"ddp": "DDP + AdamW", "acco": "ACCO", "acco-bf16": "ACCO, bf16 estimate"}
 
 
+def bounded(result: dict) -> Tuple[float, str]:
+    """A search result as (value, side): the interpolated ratio and ``""``, or for a target beyond the lengths
+    searched the nearest length's ratio and ``"<"``/``">"`` (the true ratio lies beyond it)."""
+    if result["ratio"] is not None:
+        return result["ratio"], ""
+    side = result["bound"][0]
+    return (RATIOS[0] if side == "<" else RATIOS[-1]), side
+
+
+def mean_bounded(results: List[dict]) -> Optional[Tuple[float, str]]:
+    """The mean over seeds of ``bounded`` ratios, and its side: ``""`` if every seed is exact, ``"<"``/``">"`` if
+    some are bounds on one side (the bound's value stands in for them: the mean is then a bound too). None if
+    there are none, or bounds on both sides."""
+    pairs = [bounded(r) for r in results]
+    sides = {side for _, side in pairs if side}
+    if not pairs or len(sides) > 1:
+        return None
+    return statistics.fmean(v for v, _ in pairs), (next(iter(sides)) if sides else "")
+
+
+def mean_cell(results: List[dict], fmt: Callable[[float], str] = "{:.3f}".format) -> str:
+    """``mean_bounded`` written out: ``≤``/``≥`` before a bound, ``—`` if there is no mean."""
+    m = mean_bounded(results)
+    return "—" if m is None else {"<": "≤ ", ">": "≥ ", "": ""}[m[1]] + fmt(m[0])
+
+
 def _mean(xs):
     xs = [x for x in xs if x is not None]
     return statistics.fmean(xs) if xs else None
@@ -335,7 +361,7 @@ def report_markdown(s: dict, args: argparse.Namespace, speed: Dict[str, dict]) -
         out.append(f"| {w} | {t} | {f:g} | " + " | ".join(cells) + " |")
     # updates to target
     out += ["", "Updates to DDP's fully decayed loss (same seed, same LR, same schedule), as a multiple of DDP's "
-            "T: per seed, and the mean; `>`/`<`: beyond the lengths searched. Loss gap: the method's loss at "
+            "T: per seed, and the mean; `>`/`<`: beyond the lengths searched (the mean then takes the last length searched for that seed, and is a bound: `≤`/`≥`). Loss gap: the method's loss at "
             "DDP's T against DDP's.", "",
             "| method | warm-up | T | floor | per seed (updates ratio) | mean ratio | mean extra updates | loss gap at T |",
             "|---|---|---|---|---|---|---|---|"]
@@ -347,12 +373,11 @@ def report_markdown(s: dict, args: argparse.Namespace, speed: Dict[str, dict]) -
         done = [r for r in rs if r["result"] is not None]
         per = ", ".join(f"s{r['seed']} {r['result']['ratio']:.3f}" if r["result"]["ratio"] is not None
                         else f"s{r['seed']} {r['result']['bound']}" for r in done) or "—"
-        ratios = [r["result"]["ratio"] for r in done if r["result"]["ratio"] is not None]
-        extra = [r["result"]["updates"] - t for r in done if r["result"]["updates"] is not None]
+        extra = mean_cell([r["result"] for r in done], fmt=lambda x: f"{x * t - t:+.0f}")
         gaps = [(r["loss_at_T"] - r["target"]) / r["target"] for r in rs if r["loss_at_T"] is not None]
-        mean = f"{statistics.fmean(ratios):.3f} ({len(ratios)} seed{'s' if len(ratios) != 1 else ''})" if ratios and len(ratios) == len(done) else "—"
-        out.append(f"| {LABELS.get(m, m)} | {w} | {t} | {f:g} | {per} | {mean} | "
-                   f"{f'{statistics.fmean(extra):+.0f}' if extra else '—'} | "
+        mean = mean_cell([r["result"] for r in done])
+        mean = mean if mean == "—" else f"{mean} ({len(done)} seed{'s' if len(done) != 1 else ''})"
+        out.append(f"| {LABELS.get(m, m)} | {w} | {t} | {f:g} | {per} | {mean} | {extra} | "
                    f"{f'{statistics.fmean(gaps):+.2%}' if gaps else '—'} |")
     # time to target, composed
     if speed:
@@ -364,12 +389,13 @@ def report_markdown(s: dict, args: argparse.Namespace, speed: Dict[str, dict]) -
                 "|---|---|---|---|---|---|---|"]
         for (m, w, t, f), rs in sorted(groups.items(), key=lambda kv: (kv[0][1] != args.warmups[0], kv[0][2], kv[0][3], kv[0][0])):
             sp = speed.get(m)
-            if sp is None or w != args.warmups[0] or t != max(args.lengths):
+            if sp is None or w != args.warmups[0]:
                 continue
-            per = [(r["seed"], r["result"]["ratio"] * sp["time_per_update"]) for r in rs
-                   if r["result"] is not None and r["result"]["ratio"] is not None]
-            cells = ", ".join(f"s{sd} {x:.3f}" for sd, x in per) or "—"
-            mean = f"{statistics.fmean(x for _, x in per):.3f}" if per else "—"
+            done = [r for r in sorted(rs, key=lambda r: r["seed"]) if r["result"] is not None]
+            cells = ", ".join(f"s{r['seed']} " + " ".join(filter(None, [bounded(r["result"])[1],
+                                                                         f"{bounded(r['result'])[0] * sp['time_per_update']:.3f}"]))
+                              for r in done) or "—"
+            mean = mean_cell([r["result"] for r in done], fmt=lambda x: f"{x * sp['time_per_update']:.3f}")
             out.append(f"| {LABELS.get(m, m)} | {w} | {t} | {f:g} | {sp['time_per_update']:.3f} "
                        f"[{sp['min']:.3f}–{sp['max']:.3f}] | {cells} | {mean} |")
     out += ["", "![loss against run length](convergence_ttt.png)", "", END]
