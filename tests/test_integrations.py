@@ -141,9 +141,41 @@ def test_acco_trainer_takes_a_split_built_by_the_user(tmp_path):
                     optimizers=(_split(model, microbatches_per_update=4, max_grad_norm=1.0), None))
     with pytest.raises(ValueError, match="mode='sync' but AccoTrainer\\(acco_mode\\)='acco'"):
         AccoTrainer(model=model, args=args, optimizers=(_split(model, mode="sync", max_grad_norm=1.0), None))
+    with pytest.raises(ValueError, match="AccoTrainer\\(acco_kwargs\\) also got \\['nonfinite'\\].*pass them to the one"):
+        AccoTrainer(model=model, args=args, acco_kwargs={"nonfinite": "raise"},
+                    optimizers=(_split(model, microbatches_per_update=2, max_grad_norm=1.0), None))
     opt = _split(model, microbatches_per_update=2, max_grad_norm=1.0)
     trainer = AccoTrainer(model=model, args=args, train_dataset=Bytes(0, 16), optimizers=(opt, None))
     before = [p.detach().clone() for p in model.parameters()]
     trainer.train()
     assert trainer.acco_optimizer is opt and opt.finished and trainer.state.global_step == 3
     assert all(not torch.equal(b, p) for b, p in zip(before, model.parameters()) if p.ndim == 2)
+    with pytest.raises(RuntimeError, match="finished by the previous train\\(\\).*trainer.optimizer"):
+        trainer.train()  # not silently replaced by one built from args.optim (the split would be lost)
+
+
+@pytest.mark.parametrize("opt,kw,match", [
+    (dict(mode="acco", max_grad_norm=None, accumulate_while_communicating=False, microbatches_per_update=None),
+     dict(clip=1.0, clip_setting=None, microbatches_setting=None), None),  # manual optimisation: the module's say
+    (dict(mode="acco", max_grad_norm=None, accumulate_while_communicating=False, microbatches_per_update=2),
+     dict(clip=-1.0), None),  # a clipping <= 0 is none, as AccoTrainer's own path reads it
+    (dict(mode="acco", max_grad_norm=None, accumulate_while_communicating=True, microbatches_per_update=None),
+     dict(), "accumulate_while_communicating=True, which needs a step\\(\\) after every micro-batch.*"
+             "microbatches_per_update=2"),
+    (dict(mode="dpu", max_grad_norm=None, accumulate_while_communicating=False, microbatches_per_update=None),
+     dict(), "mode='dpu' but M='acco'"),
+])
+def test_given_optimizer_check(opt, kw, match):
+    """Check the comparison of a user-built AccoOptimizer with a framework's settings, case by case."""
+    from types import SimpleNamespace
+
+    from acco.integrations._given import check_given_optimizer
+
+    args = dict(mode="acco", mode_setting="M", clip=None, clip_setting="C", microbatches=2, microbatches_setting="A",
+                options={}, options_setting="O")
+    call = lambda: check_given_optimizer(SimpleNamespace(**opt), "W", **{**args, **kw})  # noqa: E731
+    if match is None:
+        call()
+    else:
+        with pytest.raises(ValueError, match=match):
+            call()

@@ -94,7 +94,7 @@ def test_probe_with_muon_steps_whole_matrices():
                          optimizer_class=torch.optim.Muon, matrix=(32, 64)) > 0
     r = _probe("--params", "20k", "--optimizer", "muon", "--matrix", "32x32", "--compute-seconds", "0.05",
                "--rounds", "2", ranks=2)
-    assert r["stepped"] == "Muon on 20 whole 32x32 matrices" and r["round_s"] > 0
+    assert r["stepped"] == "Muon on 20 whole 32x32 matrices (0.0M elements)" and r["round_s"] > 0
     with pytest.raises(AssertionError, match="--optimizer muon needs --matrix"):
         run_command([sys.executable, "-m", "acco.probe", "--params", "1M", "--optimizer", "muon",
                      "--compute-seconds", "0.1"], timeout=60)

@@ -136,14 +136,20 @@ def test_mean_over_seeds_with_a_bound():
     assert ttt.mean_cell([below, above]) == "—" and ttt.mean_cell([exact]) == "1.100"
 
 
-def test_the_ddp_loops_chain_follows_the_schedule_after_a_resume():
+def test_the_ddp_loops_chain_follows_the_schedule_after_a_resume(monkeypatch):
     """Check a resumed DDP branch cools down: the rate the loop sets through Chain.param_groups reaches the torch
     optimizers after load_state_dict (which replaces their group dicts; a list of groups taken at construction
     kept the checkpoint's peak rate for the whole branch), for AdamW alone and the Muon + AdamW split."""
     import torch
 
-    sys.path.insert(0, os.path.join(HERE, "..", "examples", "nanogpt"))
-    from optim import Chain
+    monkeypatch.syspath_prepend(os.path.join(HERE, "..", "examples", "nanogpt"))
+    before = sys.modules.pop("optim", None)  # this folder's optim, and not left behind for other tests
+    try:
+        from optim import Chain
+    finally:
+        sys.modules.pop("optim", None)
+        if before is not None:
+            sys.modules["optim"] = before
 
     for two in (False, True):
         params = [torch.nn.Parameter(torch.ones(3, 3)), torch.nn.Parameter(torch.ones(3))]

@@ -124,9 +124,11 @@ def measure_round(numel: int, dtype: torch.dtype, device: torch.device, rounds: 
     params = probe_parameters(numel, dtype, device, matrix)
     opt = AccoOptimizer(params, optimizer_class, mode="sync", accumulate_while_communicating=True,
                         lr=1e-6)  # step() without backward
+    # Not all equal: Muon's Newton-Schulz then works on a full-rank matrix, as in training.
+    grad = torch.randn(params[0].shape, generator=torch.Generator().manual_seed(0)).to(params[0]) * 1e-3
     for _ in range(warmup + rounds):
-        for p in params:  # not all equal: Muon's Newton-Schulz then works on a full-rank matrix, as in training
-            p.grad.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(0)).to(p.grad) * 1e-3)
+        for p in params:
+            p.grad.copy_(grad)
         opt.step()  # sync: the round runs to completion
     if device.type == "cuda":
         torch.cuda.synchronize(device)  # a CPU-GPU sync point: the rounds' timing events must be complete
@@ -209,9 +211,10 @@ def main(argv: Optional[List[str]] = None) -> None:
     optimizer_class = torch.optim.Muon if args.optimizer == "muon" else torch.optim.AdamW
     round_s = _all_max(measure_round(args.params, dtype, device, args.rounds, optimizer_class=optimizer_class,
                                      matrix=args.matrix), device)
+    shapes = [p.shape for p in probe_parameters(args.params, dtype, torch.device("meta"), args.matrix)]
     stepped = (f"{optimizer_class.__name__} on a flat slice" if args.matrix is None else
-               f"{optimizer_class.__name__} on {len(probe_parameters(args.params, dtype, torch.device('meta'), args.matrix))} "
-               f"whole {args.matrix[0]}x{args.matrix[1]} matrices")
+               f"{optimizer_class.__name__} on {len(shapes)} whole {args.matrix[0]}x{args.matrix[1]} matrices "
+               f"({sum(math.prod(s) for s in shapes) / 1e6:.1f}M elements)")
     if args.compute_seconds is not None:
         compute_s, source = args.compute_seconds, "given"
     else:

@@ -7,30 +7,40 @@ compares the two and names the fix. Pure: it reads the optimizer's settings and 
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Any, Dict, Optional
 
 __all__ = ["check_given_optimizer"]
 
 
-def check_given_optimizer(opt: object, where: str, *, mode: str, mode_setting: str, clip: Optional[float],
-                          clip_setting: str, microbatches: Optional[int], microbatches_setting: str) -> None:
+def check_given_optimizer(opt: Any, where: str, *, mode: str, mode_setting: str, clip: Optional[float],
+                          clip_setting: Optional[str], microbatches: Optional[int],
+                          microbatches_setting: Optional[str], options: Dict[str, Any], options_setting: str) -> None:
     """Raise ``ValueError`` if ``opt`` (an ``AccoOptimizer`` the user built and passed as ``where``) disagrees
-    with the framework's ``mode``, gradient clipping ``clip`` (``None``/0: none) or micro-batches per update
-    ``microbatches`` (``None``: not the framework's to say). ``*_setting`` name the framework's settings."""
+    with the framework: its ``mode``; its gradient clipping ``clip`` (``None`` or <= 0: none; ``clip_setting``
+    None: not the framework's to say, e.g. Lightning's manual optimisation); its micro-batches per update
+    (``microbatches_setting`` None: not the framework's to say); or framework-held optimizer ``options`` that
+    would be ignored. ``*_setting`` name the framework's settings in the message."""
     problems = []
     if opt.mode != mode:
-        problems.append((f"mode={opt.mode!r}", f"{mode_setting}={mode!r}",
-                         f"build it with mode={mode!r}, or set {mode_setting}={opt.mode!r}"))
-    wanted = clip if clip else None
-    if opt.max_grad_norm != wanted:
-        problems.append((f"max_grad_norm={opt.max_grad_norm!r}", f"{clip_setting}={clip!r}",
-                         f"build it with max_grad_norm={wanted!r} (the framework no longer clips .grad: the "
-                         f"optimizer clips the averaged gradient), or set {clip_setting} to match"))
-    if microbatches is not None and opt.microbatches_per_update not in (None, microbatches):
-        problems.append((f"microbatches_per_update={opt.microbatches_per_update!r}",
-                         f"{microbatches_setting}={microbatches!r}",
-                         f"build it with microbatches_per_update={microbatches!r}"))
+        problems.append(f"it has mode={opt.mode!r} but {mode_setting}={mode!r}: build it with mode={mode!r}, or "
+                        f"set {mode_setting}={opt.mode!r}")
+    wanted = clip if clip is not None and clip > 0 else None
+    if clip_setting is not None and opt.max_grad_norm != wanted:
+        problems.append(f"it has max_grad_norm={opt.max_grad_norm!r} but {clip_setting}={clip!r}: build it with "
+                        f"max_grad_norm={wanted!r} (the framework no longer clips .grad: the optimizer clips the "
+                        f"averaged gradient), or set {clip_setting} to match")
+    if microbatches_setting is not None:
+        if opt.accumulate_while_communicating:
+            problems.append(f"it has accumulate_while_communicating=True, which needs a step() after every "
+                            f"micro-batch, but the framework calls step() once per update of {microbatches_setting}="
+                            f"{microbatches!r} micro-batches: build it with microbatches_per_update={microbatches!r}")
+        elif opt.microbatches_per_update not in (None, microbatches):
+            problems.append(f"it has microbatches_per_update={opt.microbatches_per_update!r} but "
+                            f"{microbatches_setting}={microbatches!r}: build it with "
+                            f"microbatches_per_update={microbatches!r}")
+    if options:
+        problems.append(f"{options_setting} also got {sorted(options)}, which apply only to the AccoOptimizer the "
+                        "framework builds: pass them to the one you build")
     if problems:
-        lines = "; ".join(f"it has {have} but {setting}: {fix}" for have, setting, fix in problems)
         raise ValueError(f"the AccoOptimizer passed as {where} is taken as it is, and disagrees with the "
-                         f"framework's settings: {lines}")
+                         f"framework's settings: {'; '.join(problems)}")

@@ -108,7 +108,9 @@ class AccoTrainer(Trainer):
             check_given_optimizer(self.optimizer, "AccoTrainer(optimizers=(...))", mode=acco_mode,
                                   mode_setting="AccoTrainer(acco_mode)", clip=self.args.max_grad_norm,
                                   clip_setting="TrainingArguments(max_grad_norm)", microbatches=steps,
-                                  microbatches_setting="TrainingArguments(gradient_accumulation_steps)")
+                                  microbatches_setting="TrainingArguments(gradient_accumulation_steps)",
+                                  options=self.acco_kwargs, options_setting="AccoTrainer(acco_kwargs)")
+        self._given = isinstance(self.optimizer, AccoOptimizer)
 
     # ----------------------------------------------------------------- optimizer
 
@@ -121,6 +123,13 @@ class AccoTrainer(Trainer):
         return opt
 
     def create_optimizer(self, model: Optional[torch.nn.Module] = None) -> torch.optim.Optimizer:
+        if self.acco_optimizer is not None and self.acco_optimizer.finished and self._given:
+            raise RuntimeError(
+                "AccoTrainer: train() again, but the AccoOptimizer passed as optimizers=(...) was finished by the "
+                "previous train() (the model holds its last committed weights). Build a new one and set "
+                "trainer.optimizer, trainer.lr_scheduler = new_optimizer, None before train(); "
+                "resume_from_checkpoint=... then restores its state"
+            )
         if self.acco_optimizer is not None and self.acco_optimizer.finished:
             # A later train() on this Trainer: the last one ended its optimizer with finish(). Build a new one
             # (and a new scheduler for it); resume_from_checkpoint then restores both, else they start afresh.

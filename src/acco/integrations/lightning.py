@@ -160,11 +160,14 @@ class AccoStrategy(DDPStrategy):
         plain, lm = self.optimizers[0], self.lightning_module
         if isinstance(plain, AccoOptimizer):  # built by the user (the Muon + AdamW split): taken as it is
             opt = plain
+            automatic = lm.automatic_optimization  # manual: the module steps, clips and accumulates itself
             check_given_optimizer(opt, "configure_optimizers()'s optimizer", mode=self.mode,
                                   mode_setting="AccoStrategy(mode)", clip=trainer.gradient_clip_val,
-                                  clip_setting="Trainer(gradient_clip_val)",
-                                  microbatches=trainer.accumulate_grad_batches if lm.automatic_optimization else None,
-                                  microbatches_setting="Trainer(accumulate_grad_batches)")
+                                  clip_setting="Trainer(gradient_clip_val)" if automatic else None,
+                                  microbatches=trainer.accumulate_grad_batches,
+                                  microbatches_setting="Trainer(accumulate_grad_batches)" if automatic else None,
+                                  options={k: v for k, v in self.acco_options.items() if k != "timeout"},
+                                  options_setting="AccoStrategy(...)")
         else:
             clip = trainer.gradient_clip_val
             kwargs: Dict[str, Any] = {"mode": self.mode, "max_grad_norm": clip if clip else None,
