@@ -154,6 +154,9 @@ def test_acco_trainer_takes_a_split_built_by_the_user(tmp_path):
         trainer.train()  # not silently replaced by one built from args.optim (the split would be lost)
 
 
+_BN = torch.nn.BatchNorm1d(3)
+
+
 @pytest.mark.parametrize("opt,kw,match", [
     (dict(mode="acco", max_grad_norm=None, accumulate_while_communicating=False, microbatches_per_update=None),
      dict(clip=1.0, clip_setting=None, microbatches_setting=None), None),  # manual optimisation: the module's say
@@ -164,6 +167,11 @@ def test_acco_trainer_takes_a_split_built_by_the_user(tmp_path):
              "microbatches_per_update=2"),
     (dict(mode="dpu", max_grad_norm=None, accumulate_while_communicating=False, microbatches_per_update=None),
      dict(), "mode='dpu' but M='acco'"),
+    (dict(mode="acco", max_grad_norm=None, accumulate_while_communicating=False, microbatches_per_update=2),
+     dict(model_buffers=torch.nn.BatchNorm1d(3).buffers()),  # running mean and var (float), batches seen (int)
+     "the model has 2 floating-point buffer\\(s\\).*buffers=model.buffers\\(\\)"),
+    (dict(mode="acco", max_grad_norm=None, accumulate_while_communicating=False, microbatches_per_update=2),
+     dict(model_buffers=list(_BN.buffers()), held_buffers=list(_BN.buffers())), None),
 ])
 def test_given_optimizer_check(opt, kw, match):
     """Check the comparison of a user-built AccoOptimizer with a framework's settings, case by case."""

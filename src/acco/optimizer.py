@@ -360,6 +360,11 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         return [part.optimizer for part in self._wrapped.parts]
 
     @property
+    def model_buffers(self) -> List[torch.Tensor]:
+        """The model buffers kept equal across ranks (``buffers=``): the first rank's, at every commit."""
+        return list(self._model_buffers)
+
+    @property
     def microbatches_per_update(self) -> Optional[int]:
         return self._progress.microbatches_per_update
 

@@ -7,19 +7,22 @@ compares the two and names the fix. Pure: it reads the optimizer's settings and 
 
 from __future__ import annotations
 
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Iterable, Optional
 
 __all__ = ["check_given_optimizer"]
 
 
 def check_given_optimizer(opt: Any, where: str, *, mode: str, mode_setting: str, clip: Optional[float],
                           clip_setting: Optional[str], microbatches: Optional[int],
-                          microbatches_setting: Optional[str], options: Dict[str, Any], options_setting: str) -> None:
+                          microbatches_setting: Optional[str], options: Dict[str, Any], options_setting: str,
+                          model_buffers: Iterable[Any] = (), held_buffers: Iterable[Any] = ()) -> None:
     """Raise ``ValueError`` if ``opt`` (an ``AccoOptimizer`` the user built and passed as ``where``) disagrees
     with the framework: its ``mode``; its gradient clipping ``clip`` (``None`` or <= 0: none; ``clip_setting``
     None: not the framework's to say, e.g. Lightning's manual optimisation); its micro-batches per update
     (``microbatches_setting`` None: not the framework's to say); or framework-held optimizer ``options`` that
-    would be ignored. ``*_setting`` name the framework's settings in the message."""
+    would be ignored; or floating-point ``model_buffers`` (BatchNorm statistics) it does not hold in
+    ``held_buffers``, which would drift apart across ranks (the framework's own path keeps every buffer equal, as
+    DDP does). ``*_setting`` name the framework's settings in the message."""
     problems = []
     if opt.mode != mode:
         problems.append(f"it has mode={opt.mode!r} but {mode_setting}={mode!r}: build it with mode={mode!r}, or "
@@ -41,6 +44,11 @@ def check_given_optimizer(opt: Any, where: str, *, mode: str, mode_setting: str,
     if options:
         problems.append(f"{options_setting} also got {sorted(options)}, which apply only to the AccoOptimizer the "
                         "framework builds: pass them to the one you build")
+    held = {id(b) for b in held_buffers}
+    drifting = [b for b in model_buffers if b.is_floating_point() and id(b) not in held]
+    if drifting:
+        problems.append(f"the model has {len(drifting)} floating-point buffer(s) (e.g. BatchNorm statistics) it does "
+                        "not keep equal across ranks: build it with buffers=model.buffers()")
     if problems:
         raise ValueError(f"the AccoOptimizer passed as {where} is taken as it is, and disagrees with the "
                          f"framework's settings: {'; '.join(problems)}")

@@ -109,7 +109,8 @@ class AccoTrainer(Trainer):
                                   mode_setting="AccoTrainer(acco_mode)", clip=self.args.max_grad_norm,
                                   clip_setting="TrainingArguments(max_grad_norm)", microbatches=steps,
                                   microbatches_setting="TrainingArguments(gradient_accumulation_steps)",
-                                  options=self.acco_kwargs, options_setting="AccoTrainer(acco_kwargs)")
+                                  options=self.acco_kwargs, options_setting="AccoTrainer(acco_kwargs)",
+                                  model_buffers=self.model.buffers(), held_buffers=self.optimizer.model_buffers)
         self._given = isinstance(self.optimizer, AccoOptimizer)
 
     # ----------------------------------------------------------------- optimizer

@@ -167,7 +167,8 @@ class AccoStrategy(DDPStrategy):
                                   microbatches=trainer.accumulate_grad_batches,
                                   microbatches_setting="Trainer(accumulate_grad_batches)" if automatic else None,
                                   options={k: v for k, v in self.acco_options.items() if k != "timeout"},
-                                  options_setting="AccoStrategy(...)")
+                                  options_setting="AccoStrategy(...)", model_buffers=lm.buffers(),
+                                  held_buffers=opt.model_buffers)
         else:
             clip = trainer.gradient_clip_val
             kwargs: Dict[str, Any] = {"mode": self.mode, "max_grad_norm": clip if clip else None,
