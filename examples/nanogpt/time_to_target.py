@@ -275,6 +275,12 @@ def bounded(result: dict) -> Tuple[float, str]:
     return (RATIOS[0] if side == "<" else RATIOS[-1]), side
 
 
+def bounded_text(result: dict, scale: float = 1.0) -> str:
+    """``bounded`` written out, its value times ``scale``: ``"1.054"``, or ``"< 0.917"`` beyond the lengths."""
+    value, side = bounded(result)
+    return " ".join(filter(None, [side, f"{value * scale:.3f}"]))
+
+
 def mean_bounded(results: List[dict]) -> Optional[Tuple[float, str]]:
     """The mean over seeds of ``bounded`` ratios, and its side: ``""`` if every seed is exact, ``"<"``/``">"`` if
     some are bounds on one side (the bound's value stands in for them: the mean is then a bound too). None if
@@ -371,8 +377,7 @@ def report_markdown(s: dict, args: argparse.Namespace, speed: Dict[str, dict]) -
     for (m, w, t, f), rs in sorted(groups.items(), key=lambda kv: (kv[0][1] != args.warmups[0], kv[0][2], kv[0][3], kv[0][0])):
         rs = sorted(rs, key=lambda r: r["seed"])
         done = [r for r in rs if r["result"] is not None]
-        per = ", ".join(f"s{r['seed']} {r['result']['ratio']:.3f}" if r["result"]["ratio"] is not None
-                        else f"s{r['seed']} {r['result']['bound']}" for r in done) or "—"
+        per = ", ".join(f"s{r['seed']} {bounded_text(r['result'])}" for r in done) or "—"
         extra = mean_cell([r["result"] for r in done], fmt=lambda x: f"{x * t - t:+.0f}")
         gaps = [(r["loss_at_T"] - r["target"]) / r["target"] for r in rs if r["loss_at_T"] is not None]
         mean = mean_cell([r["result"] for r in done])
@@ -392,9 +397,7 @@ def report_markdown(s: dict, args: argparse.Namespace, speed: Dict[str, dict]) -
             if sp is None or w != args.warmups[0]:
                 continue
             done = [r for r in sorted(rs, key=lambda r: r["seed"]) if r["result"] is not None]
-            cells = ", ".join(f"s{r['seed']} " + " ".join(filter(None, [bounded(r["result"])[1],
-                                                                         f"{bounded(r['result'])[0] * sp['time_per_update']:.3f}"]))
-                              for r in done) or "—"
+            cells = ", ".join(f"s{r['seed']} {bounded_text(r['result'], sp['time_per_update'])}" for r in done) or "—"
             mean = mean_cell([r["result"] for r in done], fmt=lambda x: f"{x * sp['time_per_update']:.3f}")
             out.append(f"| {LABELS.get(m, m)} | {w} | {t} | {f:g} | {sp['time_per_update']:.3f} "
                        f"[{sp['min']:.3f}–{sp['max']:.3f}] | {cells} | {mean} |")

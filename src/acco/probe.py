@@ -105,14 +105,19 @@ def parse_matrix(text: str) -> Tuple[int, int]:
     return int(m.group(1)), int(m.group(2))
 
 
+def matrix_count(numel: int, matrix: Tuple[int, int]) -> int:
+    """How many ``matrix``-shaped tensors stand for ``numel`` elements (at least one)."""
+    return max(1, round(numel / (matrix[0] * matrix[1])))
+
+
 def probe_parameters(numel: int, dtype: torch.dtype, device: torch.device,
                      matrix: Optional[Tuple[int, int]] = None) -> List[torch.nn.Parameter]:
     """The model the rounds step: one flat ``numel``-element tensor, or (``matrix``) ``numel / (rows*cols)``
     matrices of that shape (at least one)."""
     if matrix is None:
         return [torch.nn.Parameter(torch.zeros(numel, dtype=dtype, device=device))]
-    count = max(1, round(numel / (matrix[0] * matrix[1])))
-    return [torch.nn.Parameter(torch.zeros(matrix, dtype=dtype, device=device)) for _ in range(count)]
+    return [torch.nn.Parameter(torch.zeros(matrix, dtype=dtype, device=device))
+            for _ in range(matrix_count(numel, matrix))]
 
 
 def measure_round(numel: int, dtype: torch.dtype, device: torch.device, rounds: int = 5, warmup: int = 2,
@@ -211,10 +216,12 @@ def main(argv: Optional[List[str]] = None) -> None:
     optimizer_class = torch.optim.Muon if args.optimizer == "muon" else torch.optim.AdamW
     round_s = _all_max(measure_round(args.params, dtype, device, args.rounds, optimizer_class=optimizer_class,
                                      matrix=args.matrix), device)
-    shapes = [p.shape for p in probe_parameters(args.params, dtype, torch.device("meta"), args.matrix)]
-    stepped = (f"{optimizer_class.__name__} on a flat slice" if args.matrix is None else
-               f"{optimizer_class.__name__} on {len(shapes)} whole {args.matrix[0]}x{args.matrix[1]} matrices "
-               f"({sum(math.prod(s) for s in shapes) / 1e6:.1f}M elements)")
+    if args.matrix is None:
+        stepped = f"{optimizer_class.__name__} on a flat slice"
+    else:
+        count = matrix_count(args.params, args.matrix)
+        stepped = (f"{optimizer_class.__name__} on {count} whole {args.matrix[0]}x{args.matrix[1]} matrices "
+                   f"({count * math.prod(args.matrix) / 1e6:.1f}M elements)")
     if args.compute_seconds is not None:
         compute_s, source = args.compute_seconds, "given"
     else:
