@@ -118,7 +118,9 @@ def _kill_and_restart(tmp_path, mode: str, when, extra_args=()) -> tuple:
     return torch.load(os.path.join(out, "final.pt"), weights_only=True), resumed[-1]
 
 
-@pytest.mark.parametrize("mode", ["acco", "sync"])
+# Mode acco only: its state is the larger (a commit in flight, theta~ in the model). Mode sync ran here too until
+# 2026-11-25 (docs/cluster.md keeps its figures); its resume is in tests/test_checkpoint.py, at 40 s less a suite.
+@pytest.mark.parametrize("mode", ["acco"])
 def test_a_host_killed_after_a_checkpoint_restarts_and_ends_bit_identical(hosts, tmp_path, mode, one_host):
     def after_first_checkpoint(ckpt):
         if not _checkpoints(ckpt):
