@@ -162,3 +162,27 @@ def test_the_ddp_loops_chain_follows_the_schedule_after_a_resume(monkeypatch):
         for g in chain.param_groups:
             g["lr"] = 1e-4  # the cool-down's rate
         assert [g["lr"] for o in optimizers for g in o.param_groups] == [1e-4] * len(optimizers)
+
+
+def test_the_report_says_where_the_trunks_gap_is_made(tmp_path):
+    """The trunks' train-loss gap over update ranges (warm-up 2: updates 0, 1, 2–3, 4–7) is each seed's gap of
+    range means against DDP's trunk of the same seed, averaged over seeds; a trunk too short leaves its range out."""
+    ttt = _tool()
+    args = ttt.parse([*TINY, "--records", str(tmp_path / "r.jsonl"), "--doc", str(tmp_path / "d.md"),
+                      "--speed", str(tmp_path / "none.jsonl")])
+    config = ttt.config_of(args)
+    base = {"kind": "trunk", "lr": 2e-3, "warmup": 2, "config": config, "floor": None, "val": [], "wall_s": 1.0,
+            "final_val_loss": 1.0}
+    ddp = [2.0] * 8
+    acco = {0: [2.0, 2.2, 2.0, 2.4, 2.0, 2.0, 2.0, 2.8], 1: [2.0, 2.1, 2.2, 2.2, 2.1]}  # seed 1 stops at update 4
+    rs = [dict(base, method="ddp", seed=s, train_loss=ddp) for s in (0, 1)]
+    rs += [dict(base, method="acco", seed=s, train_loss=losses) for s, losses in acco.items()]
+    rs.append(dict(base, method="acco", seed=2, train_loss=[3.0] * 8))  # no DDP trunk for seed 2: left out
+    text = ttt.report_markdown(ttt.summarize(rs, args), args, {})
+    line = next(x for x in text.splitlines() if x.startswith("| ACCO |"))
+    cells = [c.strip() for c in line.strip("|").split("|")][1:]
+    assert cells == ["+0.00% [+0.00%–+0.00%] (2)",          # update 0: equal
+                     "+7.50% [+5.00%–+10.00%] (2)",         # update 1: +10% and +5%
+                     "+10.00% [+10.00%–+10.00%] (2)",       # updates 2–3: (2.0+2.4)/2 and (2.2+2.2)/2 against 2.0
+                     "+10.00% [+10.00%–+10.00%] (1)"], cells  # updates 4–7: seed 0 only, 8.8/4 against 2.0
+    assert "updates 0–0 | updates 1–1 | updates 2–3 | updates 4–7" in text

@@ -321,6 +321,40 @@ def speeds(path: Path) -> Dict[str, dict]:
     return out
 
 
+def gap_ranges(warmup: int) -> List[Tuple[int, int]]:
+    """Update ranges ``[lo, hi)`` where the trunks' gap is read: the two halves of the warm-up, then the next
+    warm-up's length and the two after it (constant peak LR)."""
+    w = max(2, warmup)
+    return [(0, w // 2), (w // 2, w), (w, 2 * w), (2 * w, 4 * w)]
+
+
+def range_gap(ddp: List[float], other: List[float], lo: int, hi: int) -> Optional[float]:
+    """Relative gap of the mean train loss over updates ``[lo, hi)``: (other - ddp) / ddp; None when either
+    trunk is shorter than ``hi``."""
+    if len(ddp) < hi or len(other) < hi or hi <= lo:
+        return None
+    d, o = statistics.fmean(ddp[lo:hi]), statistics.fmean(other[lo:hi])
+    return (o - d) / d
+
+
+def trunk_gaps(records: List[dict], args: argparse.Namespace) -> Dict[str, List[List[float]]]:
+    """Per method (not DDP), per range of :func:`gap_ranges`: each seed's :func:`range_gap` of its trunk against
+    DDP's trunk of the same seed, at the main LR and warm-up (the constant-LR part of the runs)."""
+    w = args.warmups[0]
+    trunks = {(r["method"], int(r["seed"])): r["train_loss"] for r in records
+              if r["kind"] == "trunk" and float(r["lr"]) == args.lr and int(r["warmup"]) == w}
+    out: Dict[str, List[List[float]]] = {}
+    for (m, seed), losses in sorted(trunks.items()):
+        if m == "ddp" or ("ddp", seed) not in trunks:
+            continue
+        gaps = [range_gap(trunks["ddp", seed], losses, lo, hi) for lo, hi in gap_ranges(w)]
+        cols = out.setdefault(m, [[] for _ in gaps])
+        for col, g in zip(cols, gaps):
+            if g is not None:
+                col.append(g)
+    return out
+
+
 def summarize(records: List[dict], args: argparse.Namespace) -> dict:
     """Every number of the report, from the records: per line and target, each seed's updates to target."""
     config = config_of(args)
@@ -341,7 +375,7 @@ def summarize(records: List[dict], args: argparse.Namespace) -> dict:
     ddp = [{"lr": float(r["lr"]), "warmup": int(r["warmup"]), "seed": int(r["seed"]), "T": int(r["T"]),
             "floor": float(r["floor"]), "loss": r["final_val_loss"]}
            for r in records if r["kind"] == "branch" and r["method"] == "ddp"]
-    return {"rows": rows, "ddp": ddp, "records": len(records),
+    return {"rows": rows, "ddp": ddp, "records": len(records), "trunk_gaps": trunk_gaps(records, args),
             "hours": sum(r["wall_s"] for r in records) / 3600}
 
 
@@ -384,6 +418,18 @@ def report_markdown(s: dict, args: argparse.Namespace, speed: Dict[str, dict]) -
         mean = mean if mean == "—" else f"{mean} ({len(done)} seed{'s' if len(done) != 1 else ''})"
         out.append(f"| {LABELS.get(m, m)} | {w} | {t} | {f:g} | {per} | {mean} | {extra} | "
                    f"{f'{statistics.fmean(gaps):+.2%}' if gaps else '—'} |")
+    # where the gap is made: the trunks, at the constant peak LR
+    if s.get("trunk_gaps"):
+        ranges = gap_ranges(args.warmups[0])
+        out += ["", f"Where the gap is made: the trunks' mean train loss (each update's, on its own batch) against "
+                f"DDP's trunk of the same seed, over ranges of updates (warm-up {args.warmups[0]}, then the peak "
+                "LR); mean over seeds [min–max] (n):", "",
+                "| method | " + " | ".join(f"updates {lo}–{hi - 1}" for lo, hi in ranges) + " |",
+                "|---|" + "---|" * len(ranges)]
+        for m, cols in s["trunk_gaps"].items():
+            cells = [f"{statistics.fmean(c):+.2%} [{min(c):+.2%}–{max(c):+.2%}] ({len(c)})" if c else "—"
+                     for c in cols]
+            out.append(f"| {LABELS.get(m, m)} | " + " | ".join(cells) + " |")
     # time to target, composed
     if speed:
         out += ["", f"Time to target, composed: the updates ratio times the method's time per update over DDP's on "
