@@ -1,4 +1,4 @@
-"""examples/gpt/train.py runs on 2 gloo ranks for every optimizer (a few steps)."""
+"""examples/gpt/train.py runs on 2 gloo ranks for every optimizer but dpu (a few steps)."""
 
 from __future__ import annotations
 
@@ -36,11 +36,11 @@ def corpus(tmp_path_factory) -> str:
     return str(d)
 
 
-# dpu takes the example's path of sync (mode=--optimizer, the whole batch per hand-off); the library's dpu is
-# tested against the oracle (tests/test_update_equivalence.py, tests/test_equivalence.py)
+# dpu is built like sync here (mode=--optimizer, the whole batch per hand-off) and commits one update late like
+# acco: both are covered; the library's dpu is against the oracle (test_update_equivalence.py, test_equivalence.py)
 @pytest.mark.parametrize("optimizer", ["acco", "sync", "torch-zero"])
 def test_example_trains_with_each_optimizer(tmp_path, corpus, optimizer):
-    """Check that each optimizer completes the requested updates with equal tokens and finite, falling losses."""
+    """Check that each optimizer (dpu: see above) completes the requested updates with equal tokens and finite, falling losses."""
     s = _torchrun(tmp_path, optimizer, "--optimizer", optimizer, "--data", corpus)
     assert s["updates"] == 4 and s["world"] == 2
     assert s["tokens"] == 4 * 2 * 4 * 32  # updates x ranks x sequences per rank x sequence length

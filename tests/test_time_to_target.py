@@ -165,24 +165,43 @@ def test_the_ddp_loops_chain_follows_the_schedule_after_a_resume(monkeypatch):
 
 
 def test_the_report_says_where_the_trunks_gap_is_made(tmp_path):
-    """The trunks' train-loss gap over update ranges (warm-up 2: updates 0, 1, 2–3, 4–7) is each seed's gap of
-    range means against DDP's trunk of the same seed, averaged over seeds; a trunk too short leaves its range out."""
+    """The trunks' gap over update ranges (warm-up 2: updates 0, 1, 2–3, 4–7): train, each seed's gap of range
+    means against DDP's trunk of the same seed; held-out, the gap of the evaluation after the range; averaged
+    over seeds. A trunk too short leaves its ranges out, a seed without DDP's trunk is left out."""
     ttt = _tool()
     args = ttt.parse([*TINY, "--records", str(tmp_path / "r.jsonl"), "--doc", str(tmp_path / "d.md"),
                       "--speed", str(tmp_path / "none.jsonl")])
     config = ttt.config_of(args)
-    base = {"kind": "trunk", "lr": 2e-3, "warmup": 2, "config": config, "floor": None, "val": [], "wall_s": 1.0,
+    base = {"kind": "trunk", "lr": 2e-3, "warmup": 2, "config": config, "floor": None, "wall_s": 1.0,
             "final_val_loss": 1.0}
-    ddp = [2.0] * 8
-    acco = {0: [2.0, 2.2, 2.0, 2.4, 2.0, 2.0, 2.0, 2.8], 1: [2.0, 2.1, 2.2, 2.2, 2.1]}  # seed 1 stops at update 4
-    rs = [dict(base, method="ddp", seed=s, train_loss=ddp) for s in (0, 1)]
-    rs += [dict(base, method="acco", seed=s, train_loss=losses) for s, losses in acco.items()]
-    rs.append(dict(base, method="acco", seed=2, train_loss=[3.0] * 8))  # no DDP trunk for seed 2: left out
+    ddp_val = [[0, 4.0], [2, 3.0], [4, 2.5], [8, 2.0]]
+    rs = [dict(base, method="ddp", seed=s, train_loss=[2.0] * 8, val=ddp_val) for s in (0, 1)]
+    rs += [dict(base, method="acco", seed=0, train_loss=[2.0, 2.2, 2.0, 2.4, 2.0, 2.0, 2.0, 2.8],
+                val=[[0, 4.0], [2, 3.3], [4, 2.6], [8, 2.1]]),
+           dict(base, method="acco", seed=1, train_loss=[2.0, 2.1, 2.2, 2.2, 2.1],  # stops at update 4
+                val=[[0, 4.0], [2, 3.15], [4, 2.75]]),
+           dict(base, method="acco", seed=2, train_loss=[3.0] * 8, val=[[8, 9.0]])]  # no DDP trunk: left out
     text = ttt.report_markdown(ttt.summarize(rs, args), args, {})
-    line = next(x for x in text.splitlines() if x.startswith("| ACCO |"))
-    cells = [c.strip() for c in line.strip("|").split("|")][1:]
-    assert cells == ["+0.00% [+0.00%–+0.00%] (2)",          # update 0: equal
-                     "+7.50% [+5.00%–+10.00%] (2)",         # update 1: +10% and +5%
-                     "+10.00% [+10.00%–+10.00%] (2)",       # updates 2–3: (2.0+2.4)/2 and (2.2+2.2)/2 against 2.0
-                     "+10.00% [+10.00%–+10.00%] (1)"], cells  # updates 4–7: seed 0 only, 8.8/4 against 2.0
-    assert "updates 0–0 | updates 1–1 | updates 2–3 | updates 4–7" in text
+    assert "| method | updates 0–0 | updates 1–1 | updates 2–3 | updates 4–7 |" in text
+
+    def cells(prefix):
+        line = next(x for x in text.splitlines() if x.startswith(prefix))
+        return [c.strip() for c in line.strip("|").split("|")][1:]
+
+    assert cells("| ACCO, train |") == [
+        "+0.00% [+0.00%–+0.00%] (2)",     # update 0: equal
+        "+7.50% [+5.00%–+10.00%] (2)",    # update 1: +10% and +5%
+        "+10.00% [+10.00%–+10.00%] (2)",  # updates 2–3: (2.0+2.4)/2 and (2.2+2.2)/2 against 2.0
+        "+10.00% [+10.00%–+10.00%] (1)"]  # updates 4–7: seed 0 only, 8.8/4 against 2.0
+    assert cells("| ACCO, held-out at the end |") == [
+        "—", "+7.50% [+5.00%–+10.00%] (2)",  # no evaluation after update 0; after update 1: 3.3 and 3.15 vs 3.0
+        "+7.00% [+4.00%–+10.00%] (2)",       # after update 3: 2.6 and 2.75 against 2.5
+        "+5.00% [+5.00%–+5.00%] (1)"]        # after update 7: 2.1 against 2.0
+
+
+def test_gap_ranges_halve_the_warmup_then_double_to_the_trunks_end():
+    ttt = _tool()
+    assert ttt.gap_ranges(100, 1200) == [(0, 50), (50, 100), (100, 200), (200, 400), (400, 800), (800, 1200)]
+    assert ttt.gap_ranges(100, 400) == [(0, 50), (50, 100), (100, 200), (200, 400)]
+    assert ttt.gap_ranges(1, 5) == [(0, 1), (1, 2), (2, 4), (4, 5)]
+    assert ttt.gap_ranges(20, 10) == [(0, 10)]

@@ -321,37 +321,54 @@ def speeds(path: Path) -> Dict[str, dict]:
     return out
 
 
-def gap_ranges(warmup: int) -> List[Tuple[int, int]]:
-    """Update ranges ``[lo, hi)`` where the trunks' gap is read: the two halves of the warm-up, then the next
-    warm-up's length and the two after it (constant peak LR)."""
-    w = max(2, warmup)
-    return [(0, w // 2), (w // 2, w), (w, 2 * w), (2 * w, 4 * w)]
+def gap_ranges(warmup: int, length: int) -> List[Tuple[int, int]]:
+    """Update ranges ``[lo, hi)`` where the trunks' gap is read, up to update ``length``: the two halves of the
+    warm-up (none below 2 updates), then ranges that double (``[w, 2w)``, ``[2w, 4w)``, ...), the last one cut
+    at ``length``."""
+    w = max(1, warmup)
+    out = [(0, w // 2), (w // 2, w)] if warmup >= 2 else [(0, w)]
+    lo = w
+    while lo < length:
+        out.append((lo, min(2 * lo, length)))
+        lo *= 2
+    return [(lo, hi) for lo, hi in out if lo < hi <= length]
 
 
 def range_gap(ddp: List[float], other: List[float], lo: int, hi: int) -> Optional[float]:
-    """Relative gap of the mean train loss over updates ``[lo, hi)``: (other - ddp) / ddp; None when either
-    trunk is shorter than ``hi``."""
+    """Relative gap of the means over updates ``[lo, hi)``: (other - ddp) / ddp; None when either trunk is
+    shorter than ``hi``."""
     if len(ddp) < hi or len(other) < hi or hi <= lo:
         return None
     d, o = statistics.fmean(ddp[lo:hi]), statistics.fmean(other[lo:hi])
     return (o - d) / d
 
 
-def trunk_gaps(records: List[dict], args: argparse.Namespace) -> Dict[str, List[List[float]]]:
-    """Per method (not DDP), per range of :func:`gap_ranges`: each seed's :func:`range_gap` of its trunk against
-    DDP's trunk of the same seed, at the main LR and warm-up (the constant-LR part of the runs)."""
+def trunk_gaps(records: List[dict], args: argparse.Namespace) -> dict:
+    """Where the gap is made, from the trunks (constant peak LR after the warm-up) at the main LR and warm-up:
+    ``{"ranges": [(lo, hi), ...], "train": {method: [[gap per seed] per range]}, "val": {method: [[...]]}}``.
+    ``train``: each seed's :func:`range_gap` of its per-update train losses against DDP's trunk of the same
+    seed; ``val``: the held-out gap at the range's last evaluation ``hi`` (when both trunks evaluated there).
+    Ranges reach the longest pair of trunks of one seed; a seed whose pair is shorter leaves them out."""
     w = args.warmups[0]
-    trunks = {(r["method"], int(r["seed"])): r["train_loss"] for r in records
+    trunks = {(r["method"], int(r["seed"])): r for r in records
               if r["kind"] == "trunk" and float(r["lr"]) == args.lr and int(r["warmup"]) == w}
-    out: Dict[str, List[List[float]]] = {}
-    for (m, seed), losses in sorted(trunks.items()):
-        if m == "ddp" or ("ddp", seed) not in trunks:
-            continue
-        gaps = [range_gap(trunks["ddp", seed], losses, lo, hi) for lo, hi in gap_ranges(w)]
-        cols = out.setdefault(m, [[] for _ in gaps])
-        for col, g in zip(cols, gaps):
+    pairs = [(m, seed) for m, seed in sorted(trunks) if m != "ddp" and ("ddp", seed) in trunks]
+    if not pairs:
+        return {}
+    length = max(min(len(trunks["ddp", s]["train_loss"]), len(trunks[m, s]["train_loss"])) for m, s in pairs)
+    ranges = gap_ranges(w, length)
+    out: dict = {"ranges": ranges, "train": {}, "val": {}}
+    for m, seed in pairs:
+        d, o = trunks["ddp", seed], trunks[m, seed]
+        dv, ov = dict(map(tuple, d["val"])), dict(map(tuple, o["val"]))
+        train = out["train"].setdefault(m, [[] for _ in ranges])
+        val = out["val"].setdefault(m, [[] for _ in ranges])
+        for i, (lo, hi) in enumerate(ranges):
+            g = range_gap(d["train_loss"], o["train_loss"], lo, hi)
             if g is not None:
-                col.append(g)
+                train[i].append(g)
+            if hi in dv and hi in ov:
+                val[i].append((ov[hi] - dv[hi]) / dv[hi])
     return out
 
 
@@ -419,17 +436,23 @@ def report_markdown(s: dict, args: argparse.Namespace, speed: Dict[str, dict]) -
         out.append(f"| {LABELS.get(m, m)} | {w} | {t} | {f:g} | {per} | {mean} | {extra} | "
                    f"{f'{statistics.fmean(gaps):+.2%}' if gaps else '—'} |")
     # where the gap is made: the trunks, at the constant peak LR
-    if s.get("trunk_gaps"):
-        ranges = gap_ranges(args.warmups[0])
-        out += ["", f"Where the gap is made: the trunks' mean train loss (each update's, on its own batch) against "
-                f"DDP's trunk of the same seed, over ranges of updates (warm-up {args.warmups[0]}, then the peak "
-                "LR); mean over seeds [min–max] (n):", "",
+    tg = s.get("trunk_gaps")
+    if tg:
+        ranges = tg["ranges"]
+
+        def cell(c: List[float]) -> str:
+            return f"{statistics.fmean(c):+.2%} [{min(c):+.2%}–{max(c):+.2%}] ({len(c)})" if c else "—"
+
+        out += ["", f"Where the gap is made: the trunks (warm-up {args.warmups[0]}, then the constant peak LR) against "
+                "DDP's trunk of the same seed. Train: the gap of the mean train loss over the range (each update's "
+                "loss on its own batch; ACCO's first half taken at θ̃); held-out: the gap of the evaluation after the "
+                "range's last update. Mean over seeds [min–max] (n):", "",
                 "| method | " + " | ".join(f"updates {lo}–{hi - 1}" for lo, hi in ranges) + " |",
                 "|---|" + "---|" * len(ranges)]
-        for m, cols in s["trunk_gaps"].items():
-            cells = [f"{statistics.fmean(c):+.2%} [{min(c):+.2%}–{max(c):+.2%}] ({len(c)})" if c else "—"
-                     for c in cols]
-            out.append(f"| {LABELS.get(m, m)} | " + " | ".join(cells) + " |")
+        for m in tg["train"]:
+            out.append(f"| {LABELS.get(m, m)}, train | " + " | ".join(cell(c) for c in tg["train"][m]) + " |")
+            out.append(f"| {LABELS.get(m, m)}, held-out at the end | "
+                       + " | ".join(cell(c) for c in tg["val"][m]) + " |")
     # time to target, composed
     if speed:
         out += ["", f"Time to target, composed: the updates ratio times the method's time per update over DDP's on "
