@@ -40,7 +40,8 @@ def corpus(tmp_path_factory) -> str:
 # acco: both are covered; the library's dpu is against the oracle (test_update_equivalence.py, test_equivalence.py)
 @pytest.mark.parametrize("optimizer", ["acco", "sync", "torch-zero"])
 def test_example_trains_with_each_optimizer(tmp_path, corpus, optimizer):
-    """Check that each optimizer (dpu: see above) completes the requested updates with equal tokens and finite, falling losses."""
+    """Check that each optimizer (dpu: see above) completes the requested updates with equal tokens and finite,
+    falling losses."""
     s = _torchrun(tmp_path, optimizer, "--optimizer", optimizer, "--data", corpus)
     assert s["updates"] == 4 and s["world"] == 2
     assert s["tokens"] == 4 * 2 * 4 * 32  # updates x ranks x sequences per rank x sequence length

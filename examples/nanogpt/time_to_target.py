@@ -42,7 +42,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
-from study import ROOT, launch, load_records, machine
+from study import ROOT, launch, load_records, machine, phase_gaps
 
 # method -> (script, its settings, instrument.py's flags): DDP + AdamW, ACCO as the paper has it, ACCO with the
 # estimate's gradients in bf16 (docs/usage.md: estimate_dtype).
@@ -334,21 +334,13 @@ def gap_ranges(warmup: int, length: int) -> List[Tuple[int, int]]:
     return [(lo, hi) for lo, hi in out if lo < hi <= length]
 
 
-def range_gap(ddp: List[float], other: List[float], lo: int, hi: int) -> Optional[float]:
-    """Relative gap of the means over updates ``[lo, hi)``: (other - ddp) / ddp; None when either trunk is
-    shorter than ``hi``."""
-    if len(ddp) < hi or len(other) < hi or hi <= lo:
-        return None
-    d, o = statistics.fmean(ddp[lo:hi]), statistics.fmean(other[lo:hi])
-    return (o - d) / d
-
-
 def trunk_gaps(records: List[dict], args: argparse.Namespace) -> dict:
     """Where the gap is made, from the trunks (constant peak LR after the warm-up) at the main LR and warm-up:
     ``{"ranges": [(lo, hi), ...], "train": {method: [[gap per seed] per range]}, "val": {method: [[...]]}}``.
-    ``train``: each seed's :func:`range_gap` of its per-update train losses against DDP's trunk of the same
-    seed; ``val``: the held-out gap at the range's last evaluation ``hi`` (when both trunks evaluated there).
-    Ranges reach the longest pair of trunks of one seed; a seed whose pair is shorter leaves them out."""
+    ``train``: each seed's mean per-update train-loss gap over the range against DDP's trunk of the same seed
+    (``study.phase_gaps``, as the learning-rate study's table reads it); ``val``: the held-out gap at the
+    range's last evaluation ``hi`` (when both trunks evaluated there). Ranges reach the longest pair of trunks
+    of one seed; a seed whose pair is shorter leaves them out."""
     w = args.warmups[0]
     trunks = {(r["method"], int(r["seed"])): r for r in records
               if r["kind"] == "trunk" and float(r["lr"]) == args.lr and int(r["warmup"]) == w}
@@ -363,10 +355,11 @@ def trunk_gaps(records: List[dict], args: argparse.Namespace) -> dict:
         dv, ov = dict(map(tuple, d["val"])), dict(map(tuple, o["val"]))
         train = out["train"].setdefault(m, [[] for _ in ranges])
         val = out["val"].setdefault(m, [[] for _ in ranges])
+        n = min(len(d["train_loss"]), len(o["train_loss"]))
+        gaps = phase_gaps([o], [d], [lo for lo, _ in ranges] + [ranges[-1][1]])
         for i, (lo, hi) in enumerate(ranges):
-            g = range_gap(d["train_loss"], o["train_loss"], lo, hi)
-            if g is not None:
-                train[i].append(g)
+            if hi <= n:  # a range the pair covers whole
+                train[i].append(gaps[i])
             if hi in dv and hi in ov:
                 val[i].append((ov[hi] - dv[hi]) / dv[hi])
     return out
@@ -444,8 +437,8 @@ def report_markdown(s: dict, args: argparse.Namespace, speed: Dict[str, dict]) -
             return f"{statistics.fmean(c):+.2%} [{min(c):+.2%}–{max(c):+.2%}] ({len(c)})" if c else "—"
 
         out += ["", f"Where the gap is made: the trunks (warm-up {args.warmups[0]}, then the constant peak LR) against "
-                "DDP's trunk of the same seed. Train: the gap of the mean train loss over the range (each update's "
-                "loss on its own batch; ACCO's first half taken at θ̃); held-out: the gap of the evaluation after the "
+                "DDP's trunk of the same seed. Train: the mean over the range of each update's relative train-loss gap "
+                "(each update's loss on its own batch; ACCO's first half taken at θ̃), as in the learning-rate study; held-out: the gap of the evaluation after the "
                 "range's last update. Mean over seeds [min–max] (n):", "",
                 "| method | " + " | ".join(f"updates {lo}–{hi - 1}" for lo, hi in ranges) + " |",
                 "|---|" + "---|" * len(ranges)]
