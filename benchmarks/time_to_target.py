@@ -46,7 +46,7 @@ import netns  # noqa: E402
 # method -> (script, instrument.py flags): the study's (examples/nanogpt/time_to_target.py)
 METHODS = {
     "ddp": ("train_ddp.py", []),
-    "acco": ("train_acco.py", []),
+    "acco": ("train_acco.py", ["--acco-option=estimate_dtype=None"]),
     "acco-bf16": ("train_acco.py", ["--acco-option=estimate_dtype=bfloat16"]),
 }
 LABELS = {"ddp": "ddp", "acco": "acco", "acco-bf16": "acco:estimate-bf16"}  # as overlap.py labels them

@@ -98,7 +98,8 @@ def parse_args(argv=None):
     p.add_argument("--reduce-dtype", choices=["default", "fp32", "bf16"], default="default",
                    help="the library's reduce_dtype (default: its accumulation dtype)")
     p.add_argument("--estimate-dtype", choices=["default", "bf16"], default="default",
-                   help="the library's estimate_dtype (default: the estimate travels like the commit)")
+                   help="the library's estimate_dtype (default: None, the estimate travels like the commit, as the "
+                        "paper has it; the library's own default, 'auto', would send it in bf16 here)")
     p.add_argument("--out", type=Path, default=None, help="rank 0 writes its JSON record here")
     args = p.parse_args(argv)
     if args.optimizer == "muon" and args.method == "ddp-zero":
@@ -156,8 +157,7 @@ class Runner:
             mode = "acco" if m.startswith("acco") else m
             if args.dtype != "fp32":
                 kw["compute_dtype"] = torch.bfloat16
-            if args.estimate_dtype == "bf16":
-                kw["estimate_dtype"] = torch.bfloat16
+            kw["estimate_dtype"] = torch.bfloat16 if args.estimate_dtype == "bf16" else None
             if args.reduce_dtype != "default":
                 kw["reduce_dtype"] = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.reduce_dtype]
             params = model.parameters()

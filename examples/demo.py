@@ -7,7 +7,8 @@ data, the same initial weights and the same AdamW settings, one method after the
 
 * ``ddp``:  torch ``DistributedDataParallel`` + AdamW (what most loops run today);
 * ``sync``: ``AccoOptimizer(mode="sync")``, plain ZeRO-1: reduce-scatter, sharded step, all-gather, then compute;
-* ``acco``: ``AccoOptimizer()``: the same rounds, run while the next micro-batches compute.
+* ``acco``: ``AccoOptimizer()``: the same rounds, run while the next micro-batches compute (with its default
+  ``estimate_dtype="auto"``, the estimate round travels in bf16: half its bytes).
 
 **The link is simulated**, the same way for every method: before each collective of the gradients or weights
 the sending thread sleeps ``bytes / bandwidth``, where ``bytes`` is what that collective moves per rank (ring
@@ -205,6 +206,7 @@ def run_method(method: str, updates: int, args, rank: int, world: int, train, he
               "params": sum(p.numel() for p in model.parameters())}
     if isinstance(opt, acco.AccoOptimizer):
         record["acco_hidden"] = opt.overlap_summary().get("hidden")
+        record["estimate_dtype"] = str(opt.estimate_dtype)  # acco's default: bf16 here (fp32 gradients, 2 ranks)
     return record
 
 

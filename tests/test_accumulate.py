@@ -28,7 +28,8 @@ KW = dict(lr=1e-2, weight_decay=0.1)
 def _accumulate_worker(rank: int, world: int, mode: str, max_mb) -> dict:
     model = make_model()
     theta0 = [p.detach().clone() for p in model.parameters()]
-    opt = AccoOptimizer(model.parameters(), mode=mode, accumulate_while_communicating=True, min_microbatches=1, max_microbatches=max_mb, **KW)
+    opt = AccoOptimizer(model.parameters(), mode=mode, accumulate_while_communicating=True, min_microbatches=1,
+                        max_microbatches=max_mb, estimate_dtype=None, **KW)  # the oracle's exact estimate
     counts, traj, mb, since = [], [], 0, 0
     while opt.num_rounds < ROUNDS:  # every rank hands off exactly ROUNDS rounds
         if rank == 1:

@@ -41,7 +41,9 @@ def _forms(rank, world, forms):
 
 def _worker(rank, world, form):
     model = make_model(seed=5)  # another initialisation: everything must come from the checkpoint
-    opt = acco.AccoOptimizer(groups(model), torch.optim.AdamW, microbatches_per_update=2, lr=1e-2, betas=(0.9, 0.95))
+    # the estimate the checkpoints were written with (commit 13d8226, before estimate_dtype="auto")
+    opt = acco.AccoOptimizer(groups(model), torch.optim.AdamW, microbatches_per_update=2, lr=1e-2, betas=(0.9, 0.95),
+                             estimate_dtype=None)
     if form == "dcp":
         acco.checkpoint.load(os.path.join(HERE, "dcp"), opt, model=model)
     elif form == "rank":
@@ -77,7 +79,7 @@ def test_format2_dcp_checkpoint_reshards(world):
 def test_format2_state_dict_of_another_rank_is_refused():
     """Check rank 1's format-2 file loaded on rank 0 is refused as before, naming the rank."""
     model = make_model()
-    opt = acco.AccoOptimizer(groups(model), torch.optim.AdamW, microbatches_per_update=2, lr=1e-2)
+    opt = acco.AccoOptimizer(groups(model), torch.optim.AdamW, microbatches_per_update=2, lr=1e-2, estimate_dtype=None)
     with pytest.raises(ValueError, match="shard of rank 1 of 2"):
         opt.load_state_dict(torch.load(os.path.join(HERE, "rank1.pt"), weights_only=True))
     opt.finish()

@@ -33,7 +33,8 @@ def _equivalence_worker(rank: int, world: int) -> dict:
             for steps in STEPS:
                 model = make_model()
                 theta0 = [p.detach().clone() for p in model.parameters()]
-                opt = AccoOptimizer(model.parameters(), cls, mode=mode, min_microbatches=1, accumulate_while_communicating=True, max_microbatches=1, **kw)
+                opt = AccoOptimizer(model.parameters(), cls, mode=mode, min_microbatches=1, accumulate_while_communicating=True,
+                                    max_microbatches=1, estimate_dtype=None, **kw)  # the oracle's exact estimate
                 traj = []
                 for i in range(steps):
                     loss_fn(model, rank, i).backward()

@@ -68,6 +68,8 @@ CASES = [
     ("timeout in seconds", lambda: (make_model().parameters(),), {"timeout": 30}, TypeError, "must be a datetime.timedelta"),
     ("estimate_dtype in mode sync", lambda: (make_model().parameters(),), {"mode": "sync", "estimate_dtype": torch.bfloat16}, ValueError, "mode='acco' only"),
     ("estimate_dtype not narrower", lambda: (make_model().parameters(),), {"estimate_dtype": torch.float32}, ValueError, "not narrower.*save no bytes"),
+    ("estimate_dtype an unknown name", lambda: (make_model().parameters(),), {"estimate_dtype": "bf16"}, ValueError, "must be 'auto', torch.bfloat16 or None, got 'bf16'"),
+    ("estimate_dtype float16", lambda: (make_model().parameters(),), {"estimate_dtype": torch.float16}, TypeError, "must be 'auto', torch.bfloat16 or None"),
     ("synchronous_updates negative", lambda: (make_model().parameters(),), {"synchronous_updates": -1}, ValueError, "synchronous_updates must be"),
     ("synchronous_updates while accumulating", lambda: (make_model().parameters(),), {"accumulate_while_communicating": True, "synchronous_updates": 5}, ValueError, "one step\\(\\) per update"),
     ("Muon on biases (1-D)", lambda: (make_model().parameters(), torch.optim.Muon), {}, ValueError, "Muon orthogonalises 2-D matrices only.*'optimizer_class': torch.optim.Muon"),

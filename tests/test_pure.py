@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from acco._validation import resolve_estimate_dtype
 from acco.placement import Layout
 from acco.rounds import clip_coefficient
 
@@ -90,3 +91,22 @@ def test_progress_round_trips_through_its_tensor():
             assert Progress.saved_field(saved, name) == int(saved[Progress.SAVED.index(name)])
     with pytest.raises(ValueError, match="expected 8 counters"):
         Progress(torch.zeros((), dtype=torch.float64)).load_tensor(torch.zeros(5, dtype=torch.int64))
+
+
+@pytest.mark.parametrize("mode,reduce_dtype,world,expected", [
+    ("acco", torch.float32, 2, torch.bfloat16),  # fp32 gradients between ranks: the estimate travels in bf16
+    ("acco", torch.float32, 8, torch.bfloat16),
+    ("acco", torch.float32, 1, None),  # nothing travels
+    ("acco", torch.bfloat16, 2, None),  # bf16 gradients: nothing narrower to send
+    ("acco", torch.float64, 2, None),  # fp64 gradients: asked for, not guessed
+    ("dpu", torch.float32, 2, None),  # no estimate round
+    ("sync", torch.float32, 2, None),
+])
+def test_estimate_dtype_auto_is_bf16_only_where_fp32_gradients_travel_in_an_estimate_round(mode, reduce_dtype, world, expected):
+    assert resolve_estimate_dtype("auto", mode, reduce_dtype, world) == expected
+
+
+@pytest.mark.parametrize("given", [None, torch.bfloat16])
+def test_an_explicit_estimate_dtype_is_kept(given):
+    assert resolve_estimate_dtype(given, "acco", torch.float32, 2) == given
+    assert resolve_estimate_dtype(None, "sync", torch.float32, 2) is None

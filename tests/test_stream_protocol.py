@@ -82,7 +82,16 @@ CONFIGS += [
     ("adafactor/acco", "adafactor", "acco", 2, 0, 0),
     ("muon_split/acco", "muon_split", "acco", 2, 0, 0),
     ("muon_split/sync", "muon_split", "sync", 2, 0, 0),
+    # the library's default estimate_dtype ("auto"): the estimate round in bf16 on more than one rank. The
+    # others name the paper's exact estimate (estimate_dtype=None).
+    ("adamw_fused/acco/estimate-auto", "adamw_fused", "acco", 2, 0, 0),
+    ("sgd/acco/m3-estimate-auto", "sgd", "acco", 3, 0, 0),
 ]
+AUTO_WORLDS = (1, 2)  # compared with the oracle's bf16 sum where the ranks' bf16 sum has one order
+
+
+def _estimate_option(name: str) -> dict:
+    return {} if name.endswith("estimate-auto") else {"estimate_dtype": None}
 ELASTIC_STEPS = 6
 
 
@@ -103,9 +112,9 @@ def _train(name, opt_name, mode, m, model_device, current_device, rank):
             theta0 = [p.detach().clone() for p in model.parameters()]
             if m is None:
                 opt = _make(opt_name, model.parameters(), mode=mode, accumulate_while_communicating=True,
-                            max_microbatches=1)
+                            max_microbatches=1, **_estimate_option(name))
             else:
-                opt = _make(opt_name, model.parameters(), mode=mode, microbatches_per_update=m)
+                opt = _make(opt_name, model.parameters(), mode=mode, microbatches_per_update=m, **_estimate_option(name))
             traj = []
             for t in range(UPDATES if m is not None else ELASTIC_STEPS):
                 # until the first commit has run, the optimizer has no state to undo a skip with: the host decides
@@ -136,12 +145,13 @@ def _train(name, opt_name, mode, m, model_device, current_device, rank):
         deferred=fake.deferred_ops, side_priority=[s.priority for s in fake.side_streams],
         side_devices=[s.device for s in fake.side_streams], destroyed_after_end=destroyed_after_end,
         uses_streams=opt.scheduler.uses_streams, rounds=opt.num_rounds, stats=stats, round_threads=threads,
+        estimate_dtype=opt.estimate_dtype,
     )
 
 
 def _worker(rank: int, world: int) -> dict:
     os.environ["ACCO_RING"] = "0"  # native collectives, as on NCCL
-    return {c[0]: _train(*c, rank) for c in CONFIGS}
+    return {c[0]: _train(*c, rank) for c in CONFIGS if not c[0].endswith("estimate-auto") or world in AUTO_WORLDS}
 
 
 @functools.lru_cache(maxsize=None)
@@ -149,8 +159,8 @@ def _results(world: int):
     return run_ranks(_worker, world, timeout=600)
 
 
-@pytest.mark.parametrize("world", [1, 2, 3])
-@pytest.mark.parametrize("name", [c[0] for c in CONFIGS])
+@pytest.mark.parametrize("world,name", [(w, c[0]) for c in CONFIGS for w in (1, 2, 3)
+                                        if not c[0].endswith("estimate-auto") or w in AUTO_WORLDS])
 def test_cuda_path_matches_oracle_with_no_race(world, name):
     _, opt_name, mode, m, model_device, _ = next(c for c in CONFIGS if c[0] == name)
     make_opt, tol = _reference_opt(opt_name), TOL
@@ -158,6 +168,8 @@ def test_cuda_path_matches_oracle_with_no_race(world, name):
     for rank, r in enumerate(_results(world)):
         r = r[name]
         assert r["uses_streams"], "the test must run the stream path"
+        auto = name.endswith("estimate-auto") and world > 1  # "auto" is bf16 where there are bytes to save
+        assert r["estimate_dtype"] == (torch.bfloat16 if auto else None), r["estimate_dtype"]
         assert r["round_threads"] == [], "no worker thread issues collectives on the CUDA path"
         assert r["deferred"] > 0, "the side stream must have deferred work, or nothing was simulated"
         assert r["races"] == [], f"rank {rank}: unordered accesses: {r['races']}"
@@ -182,7 +194,7 @@ def test_cuda_path_matches_oracle_with_no_race(world, name):
                 return [g / m for g in grad_fn(rr, i, w)]
 
             ref_steps, ref_committed, ref_final = update_run(r["theta0"], make_opt, mode, scaled,
-                                                             world, UPDATES, m)
+                                                             world, UPDATES, m, estimate_dtype=r["estimate_dtype"])
         assert max(rel_err(a, flat_list(b)) for a, b in zip(r["traj"], ref_steps)) < tol, f"rank {rank}"
         if m is not None:
             assert rel_err(r["committed"], flat_list(ref_committed[-1])) < tol, f"rank {rank}"
@@ -199,11 +211,13 @@ def test_device_without_index_is_resolved_at_construction():
     assert sched.side_stream.device == 1
 
 
-def _faulty_run(rank, nonfinite, path, inject, completion_seed=None, updates=6):
+def _faulty_run(rank, nonfinite, path, inject, completion_seed=None, updates=6, estimate_dtype=None):
     """Six updates of SGD with momentum in mode acco, 4 micro-batches each; ``inject``: an inf loss on rank 0
     in update 2, a learning rate changed on rank 1 only from update 2, or (``"short"``) one micro-batch only
     on rank 1 in update 2 (no estimate there: the ranks hand off different rounds from then on).
-    ``completion_seed``: the simulated device completes side-stream work at random moments of its own."""
+    ``completion_seed``: the simulated device completes side-stream work at random moments of its own.
+    ``estimate_dtype``: None (the estimate and the commit send equal collectives, which a round mismatch found
+    on the device needs: docs/gpu.md) or the library's default, ``"auto"``."""
     from acco import HyperParameterMismatchError, NonFiniteGradientError, RoundMismatchError
 
     fake = FakeCuda(completion_seed=completion_seed) if path == "stream" else None
@@ -214,7 +228,7 @@ def _faulty_run(rank, nonfinite, path, inject, completion_seed=None, updates=6):
         with fake if fake is not None else contextlib.nullcontext():
             model = make_model()
             opt = AccoOptimizer(model.parameters(), torch.optim.SGD, mode="acco", microbatches_per_update=4,
-                                nonfinite=nonfinite, lr=5e-2, momentum=0.9)
+                                nonfinite=nonfinite, lr=5e-2, momentum=0.9, estimate_dtype=estimate_dtype)
             t = 0
             try:
                 for t in range(updates):
@@ -246,6 +260,9 @@ def _fault_worker(rank: int, world: int) -> dict:
         "skip/cpu": _faulty_run(rank, "skip", "cpu", "inf"),
         "raise/stream": _faulty_run(rank, "raise", "stream", "inf"),
         "hyper/stream": _faulty_run(rank, "skip", "stream", "lr"),
+        # the default bf16 estimate: found on the device too (the collectives' sizes agree), and on the host
+        "raise/stream-auto": _faulty_run(rank, "raise", "stream", "inf", estimate_dtype="auto"),
+        "short/cpu-auto": _faulty_run(rank, "skip", "cpu", "short", estimate_dtype="auto"),
     }
 
 
@@ -267,7 +284,8 @@ def test_nonfinite_skip_is_decided_on_the_device_like_on_cpu():
 
 
 @pytest.mark.parametrize("case,error", [("raise/stream", "NonFiniteGradientError"),
-                                        ("hyper/stream", "HyperParameterMismatchError")])
+                                        ("hyper/stream", "HyperParameterMismatchError"),
+                                        ("raise/stream-auto", "NonFiniteGradientError")])
 def test_device_decided_errors_surface_at_a_later_step_on_every_rank(case, error):
     """nonfinite='raise' and mismatched hyper-parameters, found on the device, raise two hand-offs later
     (or at finish()) on every rank, with the flagged step undone on the device."""
@@ -310,6 +328,16 @@ def test_device_found_errors_surface_at_the_same_step_when_ranks_disagree_on_wha
         assert r0["raised_at"] == r1["raised_at"], f"seed {seed}: rank 0 raised in update {r0['raised_at']}, " \
                                                   f"rank 1 in {r1['raised_at']}"
         assert r0["races"] == r1["races"] == []
+
+
+def test_the_default_bf16_estimate_finds_ranks_out_of_step_on_the_host_before_its_smaller_collectives():
+    """With the bf16 estimate an estimate round sends fewer bytes than a commit. On the CPU path the ranks' round
+    rows are checked on the host before the reduce-scatter, so ranks that hand off different rounds (one ran a
+    short update) raise RoundMismatchError in the same update instead of sending collectives of different sizes."""
+    results = [r["short/cpu-auto"] for r in _fault_results()]
+    assert [r["error"] for r in results] == ["RoundMismatchError"] * 2, [r["error"] for r in results]
+    assert results[0]["raised_at"] == results[1]["raised_at"] == 2
+    assert all(torch.isfinite(r["final"]).all() for r in results)
 
 
 def test_mismatched_rounds_are_undone_on_the_device():

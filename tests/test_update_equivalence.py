@@ -39,7 +39,10 @@ CONFIGS += [
     # the estimate round in bf16 (beyond the paper): compared at 2 ranks, where the ranks' bf16 sum has one order
     ("adamw/acco/m2-estimate-bf16", "adamw", "acco", 2, True, False, {"estimate_dtype": torch.bfloat16}),
     ("sgd_momentum/acco/m4-estimate-bf16", "sgd_momentum", "acco", 4, True, False, {"estimate_dtype": torch.bfloat16}),
+    # the library's default, "auto": the bf16 estimate, for these fp32 gradients on more than one rank
+    ("adamw/acco/m2-estimate-auto", "adamw", "acco", 2, True, False, {"estimate_dtype": "auto"}),
 ]
+# The other configurations name the paper's exact estimate (estimate_dtype=None), which the oracle computes.
 BF16_ESTIMATE_WORLDS = (2,)
 
 
@@ -53,6 +56,7 @@ def _worker(rank: int, world: int) -> dict:
         cls, kw = OPTIMIZERS[opt_name]
         model = make_model()
         theta0 = [p.detach().clone() for p in model.parameters()]
+        options = {"estimate_dtype": None, **options}
         opt = AccoOptimizer(model.parameters(), cls, mode=mode, microbatches_per_update=m if given else None,
                             **options, **kw)
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: _lr(t) / 1e-2) if schedule else None
@@ -77,7 +81,7 @@ def _worker(rank: int, world: int) -> dict:
         ref_steps, ref_committed, ref_final = update_run(
             theta0, lambda ps: cls(ps, **kw), mode, scaled, world, UPDATES, m, learned=not given and mode == "acco",
             lr_at=_lr if schedule else None, synchronous_updates=options.get("synchronous_updates", 0),
-            estimate_dtype=options.get("estimate_dtype"))
+            estimate_dtype=opt.estimate_dtype)
         out[name] = {
             "step_err": max(rel_err(a, flat_list(b)) for a, b in zip(traj, ref_steps)),
             "committed_err": max(rel_err(a, flat_list(b)) for a, b in zip(committed, ref_committed)),
@@ -86,6 +90,7 @@ def _worker(rank: int, world: int) -> dict:
             "updates": opt.num_updates,
             "rounds": opt.num_rounds,
             "learned_m": opt.microbatches_per_update,
+            "estimate_dtype": opt.estimate_dtype,
         }
     return out
 
@@ -115,3 +120,6 @@ def test_one_step_per_update_matches_oracle(world, name):
         assert r["final_err"] < TOL, f"rank {rank}: {r}"
         if mode_m[0] == "acco":
             assert r["learned_m"] == mode_m[1]
+        # what the oracle was given is the optimizer's resolved dtype: check that it is the one meant
+        expected = {"auto": torch.bfloat16}.get(options.get("estimate_dtype"), options.get("estimate_dtype"))
+        assert r["estimate_dtype"] == expected, r

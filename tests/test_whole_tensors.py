@@ -124,6 +124,7 @@ def _worker(rank: int, world: int) -> dict:
         theta0 = [p.detach().clone() for p in net.parameters()]
         acco_groups, make_opt = _setup(setup, names)
         groups, cls, kw = acco_groups(net)
+        options = {"estimate_dtype": None, **options}  # the oracle's exact estimate, unless the config names one
         opt = AccoOptimizer(groups, cls, mode=mode, microbatches_per_update=m, **options, **kw)
         traj, committed = [], []
         for t in range(UPDATES):
@@ -327,7 +328,7 @@ def _accumulate_worker(rank, world):
     net = Net(names)
     theta0 = [p.detach().clone() for p in net.parameters()]
     groups, cls, kw = _setup("split", names)[0](net)
-    opt = AccoOptimizer(groups, cls, accumulate_while_communicating=True, max_microbatches=1, **kw)
+    opt = AccoOptimizer(groups, cls, accumulate_while_communicating=True, max_microbatches=1, estimate_dtype=None, **kw)
     after = []
     for i in range(6):
         net.loss(rank, i, 1.0).backward()

@@ -4,8 +4,9 @@
         examples/nanogpt/train_acco.py --out_dir=... [the script's --key=value settings]
 
 * ``--acco-option=KEY=VALUE``: an extra ``AccoOptimizer`` keyword argument, an
-  int or a torch dtype, e.g. ``synchronous_updates=20`` (the study's remedy)
-  or ``compute_dtype=bfloat16``, ``reduce_dtype=float32``;
+  int, a torch dtype or ``None``, e.g. ``synchronous_updates=20`` (the study's
+  remedy), ``compute_dtype=bfloat16``, ``reduce_dtype=float32`` or
+  ``estimate_dtype=None`` (the paper's exact estimate; the default is ``"auto"``);
 * ``--estimate-gap``: after every ``step()``, rank 0 logs ``|theta~ - theta|``
   (what the model holds, in mode acco the estimate, against the committed
   update) and ``|theta_{t+1} - theta_t|`` to ``OUT_DIR/estimate_gap.json``.
@@ -67,7 +68,8 @@ def main(argv: list) -> None:
             estimate_gap = True
         elif flag.startswith("--acco-option="):
             key, value = flag.split("=", 1)[1].split("=", 1)
-            options[key] = getattr(torch, value) if isinstance(getattr(torch, value, None), torch.dtype) else int(value)
+            options[key] = (None if value == "None" else getattr(torch, value)
+                            if isinstance(getattr(torch, value, None), torch.dtype) else int(value))
         else:
             raise SystemExit(f"instrument.py: unknown flag {flag!r} (see the docstring)")
     if not argv:

@@ -44,11 +44,12 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 from study import ROOT, launch, load_records, machine, phase_gaps
 
-# method -> (script, its settings, instrument.py's flags): DDP + AdamW, ACCO as the paper has it, ACCO with the
-# estimate's gradients in bf16 (docs/usage.md: estimate_dtype).
+# method -> (script, its settings, instrument.py's flags): DDP + AdamW, ACCO as the paper has it (its exact
+# estimate, named: the library's default is "auto"), ACCO with the estimate's gradients in bf16 (the library's
+# default for these fp32 runs; docs/usage.md: estimate_dtype).
 METHODS: Dict[str, Tuple[str, List[str], List[str]]] = {
     "ddp": ("train_ddp.py", [], []),
-    "acco": ("train_acco.py", [], []),
+    "acco": ("train_acco.py", [], ["--acco-option=estimate_dtype=None"]),
     "acco-bf16": ("train_acco.py", [], ["--acco-option=estimate_dtype=bfloat16"]),
 }
 RATIOS = (11 / 12, 1.0, 13 / 12, 14 / 12)  # the branch lengths searched, as multiples of DDP's length

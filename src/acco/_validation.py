@@ -162,13 +162,31 @@ def check_timeout(timeout: Any) -> None:
         )
 
 
+def resolve_estimate_dtype(estimate_dtype: Any, mode: str, reduce_dtype: torch.dtype,
+                           world_size: int) -> Optional[torch.dtype]:
+    """``estimate_dtype``: the dtype the estimate round travels in, or ``None`` (like the commit).
+
+    ``"auto"`` (the default) is ``torch.bfloat16`` where it saves bytes and has bytes to save: mode acco, gradients
+    that travel in fp32, and more than one rank. Anywhere else it is ``None``. An explicit dtype is checked."""
+    if isinstance(estimate_dtype, str):
+        if estimate_dtype != "auto":
+            raise ValueError(
+                f"estimate_dtype must be 'auto', torch.bfloat16 or None, got {estimate_dtype!r}. 'auto' (the default) "
+                "sends the estimate round in bf16 where the gradients travel in fp32; None keeps it exact"
+            )
+        narrow = mode == "acco" and reduce_dtype == torch.float32 and world_size > 1
+        return torch.bfloat16 if narrow else None
+    check_estimate_dtype(estimate_dtype, mode, reduce_dtype)
+    return estimate_dtype
+
+
 def check_estimate_dtype(estimate_dtype: Any, mode: str, reduce_dtype: torch.dtype) -> None:
     if estimate_dtype is None:
         return
     if mode != "acco":
         raise ValueError(f"estimate_dtype applies to mode='acco' only (its estimate round), got mode={mode!r}")
     if not (isinstance(estimate_dtype, torch.dtype) and estimate_dtype.is_floating_point) or estimate_dtype == torch.float16:
-        raise TypeError(f"estimate_dtype must be torch.bfloat16 (or None), got {estimate_dtype}")
+        raise TypeError(f"estimate_dtype must be 'auto', torch.bfloat16 or None, got {estimate_dtype}")
     if estimate_dtype.itemsize >= reduce_dtype.itemsize:
         raise ValueError(
             f"estimate_dtype={estimate_dtype} is not narrower than the gradients' reduce dtype {reduce_dtype}: it "

@@ -27,7 +27,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -118,7 +118,12 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
             (``torch.bfloat16`` for a model whose gradients travel in fp32): a
             quarter fewer bytes per update. The estimate only decides where the
             next half's gradients are taken; the commit round stays in full
-            precision. ``None``: the estimate travels like the commit.
+            precision. ``"auto"`` (default): ``torch.bfloat16`` in mode acco
+            when the gradients travel in fp32 on more than one rank, else
+            ``None`` (it measured no cost in updates to reach DDP's loss:
+            ``docs/convergence.md``). ``None``: the estimate travels like the
+            commit, the paper's exact algorithm. The resolved dtype is
+            :attr:`estimate_dtype`.
         max_grad_norm: clip the global L2 norm of the averaged gradient to
             this, as ``clip_grad_norm_`` on DDP's all-reduced gradient would.
             (Clipping ``.grad`` yourself raises: it is the local gradient here.)
@@ -165,7 +170,7 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         compute_dtype: Optional[torch.dtype] = None,
         accumulation_dtype: Optional[torch.dtype] = None,
         reduce_dtype: Optional[torch.dtype] = None,
-        estimate_dtype: Optional[torch.dtype] = None,
+        estimate_dtype: Union[torch.dtype, str, None] = "auto",
         max_grad_norm: Optional[float] = None,
         nonfinite: str = "skip",
         timeout: Optional[datetime.timedelta] = None,
@@ -217,8 +222,7 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         self.compute_dtype = compute_dtype or self._params[0].dtype
         self.accumulation_dtype = V.check_accumulation_dtype(accumulation_dtype, self.compute_dtype)
         self.reduce_dtype = V.check_reduce_dtype(reduce_dtype, self.accumulation_dtype, self.compute_dtype)
-        V.check_estimate_dtype(estimate_dtype, mode, self.reduce_dtype)
-        self.estimate_dtype = estimate_dtype
+        self.estimate_dtype = V.resolve_estimate_dtype(estimate_dtype, mode, self.reduce_dtype, self.world_size)
         self._model_buffers = V.check_buffers(buffers, device)
         self._progress = Progress(torch.zeros((), dtype=torch.float64, device=device), microbatches_per_update)
         self.layout = Layout.build([p.shape for p in self._params], self.world_size, placements, costs)
@@ -253,7 +257,7 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         self._flat = FlatBuffers(self._params, self.layout, self.rank, self.compute_dtype, self.accumulation_dtype,
                                  self.reduce_dtype,
                                  separate_grads=self.accumulate_while_communicating,
-                                 collectives=ring_algorithm(round_group), estimate_dtype=estimate_dtype)
+                                 collectives=ring_algorithm(round_group), estimate_dtype=self.estimate_dtype)
         kwargs = {cls: {} for cls in classes}
         kwargs[optimizer_class] = V.device_resident_state(optimizer_class, optimizer_kwargs, device)
         self._wrapped = WrappedOptimizers(self.layout, self.rank, self._flat.shard.master, self._flat.shard.grad,
