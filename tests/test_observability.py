@@ -129,11 +129,21 @@ def test_summarize_is_plain_arithmetic():
     assert summarize([]) == {"rounds": 0}
 
 
-@pytest.mark.parametrize("mode,dtype", [("acco", None), ("sync", None), ("acco", torch.bfloat16)])
-def test_memory_report_matches_algorithm_table(mode, dtype):
-    """Check memory_report() against algorithm.md's table, element by element (one process)."""
+@pytest.mark.parametrize("mode,dtype,estimate", [("acco", None, None), ("sync", None, None), ("acco", torch.bfloat16, None),
+                                                 ("acco", None, torch.bfloat16)])
+def test_memory_report_matches_algorithm_table(mode, dtype, estimate):
+    """Check memory_report() against algorithm.md's table, element by element (one process). The bf16 estimate
+    (the default on more than one rank) adds nothing: its slice lives in the round buffer's free bytes."""
     model = make_model()
-    opt = AccoOptimizer(model.parameters(), mode=mode, compute_dtype=dtype, accumulate_while_communicating=True, max_microbatches=1, lr=1e-2)
+    opt = AccoOptimizer(model.parameters(), mode=mode, compute_dtype=dtype, accumulate_while_communicating=True,
+                        max_microbatches=1, lr=1e-2, estimate_dtype=estimate)
+    assert opt.estimate_dtype == estimate
+    if estimate is not None:  # the estimate's slice and gathered weights: views of the round buffer, disjoint
+        b, comm = opt._flat.shard, opt._flat.comm
+        ptr = comm.untyped_storage().data_ptr()
+        assert b.low_slice.untyped_storage().data_ptr() == b.comm_low.untyped_storage().data_ptr() == ptr
+        low_end = b.comm_low.data_ptr() + b.comm_low.numel() * 2
+        assert low_end <= b.low_slice.data_ptr() and b.low_slice.data_ptr() + b.low_slice.numel() * 2 <= ptr + comm.nbytes
     for mb in range(4):
         loss_fn(model, 0, mb).backward() if dtype is None else model(torch.randn(2, 5, dtype=dtype)).sum().backward()
         opt.step()

@@ -93,20 +93,25 @@ def test_progress_round_trips_through_its_tensor():
         Progress(torch.zeros((), dtype=torch.float64)).load_tensor(torch.zeros(5, dtype=torch.int64))
 
 
-@pytest.mark.parametrize("mode,reduce_dtype,world,expected", [
-    ("acco", torch.float32, 2, torch.bfloat16),  # fp32 gradients between ranks: the estimate travels in bf16
-    ("acco", torch.float32, 8, torch.bfloat16),
-    ("acco", torch.float32, 1, None),  # nothing travels
-    ("acco", torch.bfloat16, 2, None),  # bf16 gradients: nothing narrower to send
-    ("acco", torch.float64, 2, None),  # fp64 gradients: asked for, not guessed
-    ("dpu", torch.float32, 2, None),  # no estimate round
-    ("sync", torch.float32, 2, None),
+F32, BF16, F64 = torch.float32, torch.bfloat16, torch.float64
+
+
+@pytest.mark.parametrize("mode,compute,reduce,world,expected", [
+    ("acco", F32, F32, 2, BF16),  # an fp32 model's gradients between ranks: the estimate travels in bf16
+    ("acco", F32, F32, 8, BF16),
+    ("acco", F32, F32, 1, None),  # nothing travels
+    ("acco", F32, BF16, 2, None),  # bf16 gradients: nothing narrower to send
+    ("acco", BF16, F32, 2, None),  # a bf16 model (fp32 sums): its weights travel in bf16 already; not measured
+    ("acco", F64, F64, 2, None),  # fp64: asked for, not guessed
+    ("dpu", F32, F32, 2, None),  # no estimate round
+    ("sync", F32, F32, 2, None),
 ])
-def test_estimate_dtype_auto_is_bf16_only_where_fp32_gradients_travel_in_an_estimate_round(mode, reduce_dtype, world, expected):
-    assert resolve_estimate_dtype("auto", mode, reduce_dtype, world) == expected
+def test_estimate_dtype_auto_is_bf16_only_for_an_fp32_model_with_an_estimate_round_to_send(mode, compute, reduce, world,
+                                                                                            expected):
+    assert resolve_estimate_dtype("auto", mode, compute, reduce, world) == expected
 
 
 @pytest.mark.parametrize("given", [None, torch.bfloat16])
 def test_an_explicit_estimate_dtype_is_kept(given):
-    assert resolve_estimate_dtype(given, "acco", torch.float32, 2) == given
-    assert resolve_estimate_dtype(None, "sync", torch.float32, 2) is None
+    assert resolve_estimate_dtype(given, "acco", F32, F32, 2) == given
+    assert resolve_estimate_dtype(None, "sync", F32, F32, 2) is None

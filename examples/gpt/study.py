@@ -23,6 +23,9 @@ MAIN = ["sync", "acco", "dpu", "torch-zero"]
 SLOW = [("sync", []), ("acco", ["--max-microbatches", "0"])]
 
 
+EXACT = ["--estimate-dtype", "none"]  # the paper's estimate, as the study's records were made (the default is "auto")
+
+
 def run(out: Path, name: str, args: list, steps: int, eval_every: int) -> Path:
     d = out / name
     if (d / "summary.json").exists():
@@ -135,11 +138,11 @@ def main(argv=None):
         if args.part in ("all", "main"):
             for seed in args.seeds:
                 for opt in MAIN:
-                    run(args.out, f"{opt}-s{seed}", ["--optimizer", opt, "--seed", str(seed)], args.steps, args.eval_every)
+                    run(args.out, f"{opt}-s{seed}", ["--optimizer", opt, "--seed", str(seed), *EXACT], args.steps, args.eval_every)
         if args.part in ("all", "slow"):
             for seed in args.seeds:
                 for opt, extra in SLOW:
-                    run(args.out, f"slow-{opt}-s{seed}", ["--optimizer", opt, "--seed", str(seed), "--slow-rank", "1",
+                    run(args.out, f"slow-{opt}-s{seed}", ["--optimizer", opt, "--seed", str(seed), *EXACT, "--slow-rank", "1",
                                                           "--slow-factor", "2", *extra], args.steps, args.eval_every)
     print(report(args.out, args.seeds, args.docs))
 

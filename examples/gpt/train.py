@@ -54,6 +54,9 @@ def parse_args(argv=None):
     p.add_argument("--warmup", type=int, default=20, help="linear warm-up updates")
     p.add_argument("--betas", type=float, nargs=2, default=(0.9, 0.95))
     p.add_argument("--weight-decay", type=float, default=0.1)
+    p.add_argument("--estimate-dtype", choices=["auto", "none", "bf16"], default="auto",
+                   help="AccoOptimizer's estimate_dtype (mode acco): auto (the library's default: bf16 for an fp32 "
+                        "model on more than one rank), none (the paper's exact estimate) or bf16")
     p.add_argument("--max-microbatches", type=int, default=1,
                    help="ACCO modes: micro-batches a rank may accumulate while a round is in flight (0: no bound)")
     p.add_argument("--global-microbatches", type=int, default=0,
@@ -137,7 +140,9 @@ class Trainer:
                                      f"{world} ranks: give a multiple of every world size the job may run at")
                 min_mb = max_mb = args.global_microbatches // world  # each round: exactly this many per rank
             self.opt = AccoOptimizer(groups, torch.optim.AdamW, mode=args.optimizer, accumulate_while_communicating=True,
-                                     min_microbatches=min_mb, max_microbatches=max_mb, **kw)
+                                     min_microbatches=min_mb, max_microbatches=max_mb,
+                                     estimate_dtype={"auto": "auto", "none": None, "bf16": torch.bfloat16}[
+                                         args.estimate_dtype] if args.optimizer == "acco" else None, **kw)
             self.micro = args.batch // 2 if args.optimizer == "acco" else args.batch
         if self.micro < 1:
             raise SystemExit(f"--batch {args.batch} is too small for {args.optimizer}")

@@ -162,19 +162,20 @@ def check_timeout(timeout: Any) -> None:
         )
 
 
-def resolve_estimate_dtype(estimate_dtype: Any, mode: str, reduce_dtype: torch.dtype,
+def resolve_estimate_dtype(estimate_dtype: Any, mode: str, compute_dtype: torch.dtype, reduce_dtype: torch.dtype,
                            world_size: int) -> Optional[torch.dtype]:
     """``estimate_dtype``: the dtype the estimate round travels in, or ``None`` (like the commit).
 
-    ``"auto"`` (the default) is ``torch.bfloat16`` where it saves bytes and has bytes to save: mode acco, gradients
-    that travel in fp32, and more than one rank. Anywhere else it is ``None``. An explicit dtype is checked."""
+    ``"auto"`` (the default) is ``torch.bfloat16`` where it was measured and halves the estimate round's bytes: mode
+    acco, an fp32 model whose gradients travel in fp32, more than one rank. Anywhere else it is ``None`` (a bf16
+    model's weights already travel in bf16). An explicit dtype is checked."""
     if isinstance(estimate_dtype, str):
         if estimate_dtype != "auto":
             raise ValueError(
                 f"estimate_dtype must be 'auto', torch.bfloat16 or None, got {estimate_dtype!r}. 'auto' (the default) "
-                "sends the estimate round in bf16 where the gradients travel in fp32; None keeps it exact"
+                "sends an fp32 model's estimate round in bf16; None keeps it exact"
             )
-        narrow = mode == "acco" and reduce_dtype == torch.float32 and world_size > 1
+        narrow = mode == "acco" and compute_dtype == reduce_dtype == torch.float32 and world_size > 1
         return torch.bfloat16 if narrow else None
     check_estimate_dtype(estimate_dtype, mode, reduce_dtype)
     return estimate_dtype

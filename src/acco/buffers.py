@@ -76,9 +76,16 @@ class FlatBuffers:
         self.comm = torch.zeros(n, dtype=rd, device=device)
         self.comm_weights = self.comm if rd == cd else self.comm.view(torch.uint8)[: n * cd.itemsize].view(cd)
         self.comm_views = layout.views(self.comm_weights)
-        # estimate_dtype: an estimate round's gradients and weights in the first bytes of the same buffer
-        self.comm_low = (None if estimate_dtype is None
-                         else self.comm.view(torch.uint8)[: n * estimate_dtype.itemsize].view(estimate_dtype))
+        # estimate_dtype: an estimate round's gradients and weights in the first bytes of the same buffer, and its
+        # rank's slice (the reduce-scatter's output, the all-gather's input) in the bytes after them: an
+        # estimate round leaves at least half of the buffer's bytes free (estimate_dtype is narrower than
+        # reduce_dtype, so at most half as wide), and s <= n. No memory of its own.
+        self.comm_low, low_slice = None, None
+        if estimate_dtype is not None:
+            low_bytes = n * estimate_dtype.itemsize
+            raw = self.comm.view(torch.uint8)
+            self.comm_low = raw[:low_bytes].view(estimate_dtype)
+            low_slice = raw[low_bytes : low_bytes + s * estimate_dtype.itemsize].view(estimate_dtype)
         self.comm_low_views = None if self.comm_low is None else layout.views(self.comm_low)
         # Where backward writes: straight into accum, unless it is of another dtype (then a buffer of its own,
         # folded into accum as each gradient arrives) or the loop accumulates while communicating (folded at
@@ -101,7 +108,7 @@ class FlatBuffers:
             staging=None if cd == master_dtype else torch.zeros(s, dtype=cd, device=device),
             collectives=collectives,
             comm_low=self.comm_low,
-            low_slice=None if estimate_dtype is None else torch.zeros(s, dtype=estimate_dtype, device=device),
+            low_slice=low_slice,
         )
         if rd != master_dtype:  # gradients reduced in a narrower dtype than the master's: their own landing slice
             b = self.shard
@@ -219,8 +226,8 @@ class FlatBuffers:
             "comm": nbytes([self.comm]),
             "master": nbytes([b.master]),
             "master_grad": nbytes([b.grad]),
-            "staging": nbytes(([b.staging] if b.grad_staging is None or b.grad_staging is b.staging
-                               else [b.staging, b.grad_staging]) + [b.low_slice]),
+            "staging": nbytes([b.staging] if b.grad_staging is None or b.grad_staging is b.staging
+                              else [b.staging, b.grad_staging]),  # (an estimate's low_slice lives in comm)
             "optimizer_state": nbytes(optimizer_state),
             "estimate_scratch": nbytes(scratch),
             "round_temporaries": temporaries,

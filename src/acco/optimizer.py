@@ -119,8 +119,8 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
             quarter fewer bytes per update. The estimate only decides where the
             next half's gradients are taken; the commit round stays in full
             precision. ``"auto"`` (default): ``torch.bfloat16`` in mode acco
-            when the gradients travel in fp32 on more than one rank, else
-            ``None`` (it measured no cost in updates to reach DDP's loss:
+            for an fp32 model whose gradients travel in fp32 between more
+            than one rank, else ``None`` (it measured no cost in updates to reach DDP's loss:
             ``docs/convergence.md``). ``None``: the estimate travels like the
             commit, the paper's exact algorithm. The resolved dtype is
             :attr:`estimate_dtype`.
@@ -222,7 +222,8 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         self.compute_dtype = compute_dtype or self._params[0].dtype
         self.accumulation_dtype = V.check_accumulation_dtype(accumulation_dtype, self.compute_dtype)
         self.reduce_dtype = V.check_reduce_dtype(reduce_dtype, self.accumulation_dtype, self.compute_dtype)
-        self.estimate_dtype = V.resolve_estimate_dtype(estimate_dtype, mode, self.reduce_dtype, self.world_size)
+        self.estimate_dtype = V.resolve_estimate_dtype(estimate_dtype, mode, self.compute_dtype, self.reduce_dtype,
+                                                       self.world_size)
         self._model_buffers = V.check_buffers(buffers, device)
         self._progress = Progress(torch.zeros((), dtype=torch.float64, device=device), microbatches_per_update)
         self.layout = Layout.build([p.shape for p in self._params], self.world_size, placements, costs)
