@@ -365,11 +365,12 @@ def test_ranks_in_different_collective_calls_raise_on_every_rank_naming_both():
         assert "on every rank" in msg, msg
 
 
-def _one_rank_only_worker(rank, world):
+def _one_rank_only_worker(rank, world, flag):
     """Rank 0 calls acco.checkpoint.gather() with the optimizer's timeout at 2 s (the process group's is gloo's
-    default, 30 min); rank 1 does not, and stays alive for 10 s: rank 0 gets acco's message within the
-    optimizer's timeout, not gloo's alone at the process group's (or when rank 1 leaves)."""
+    default, 30 min); rank 1 does not, and stays alive until rank 0 has raised, 10 s at most: rank 0 gets acco's
+    message within the optimizer's timeout, not gloo's alone at the process group's (or when rank 1 leaves)."""
     import datetime
+    import os
     import time
 
     from tinynet import make_model
@@ -386,15 +387,18 @@ def _one_rank_only_worker(rank, world):
             acco.checkpoint.gather(opt, model=model)
         except RuntimeError as exc:
             out = (str(exc), time.monotonic() - start)
+        open(flag, "w").close()  # rank 1 may leave now
     else:
-        time.sleep(10)
+        until = time.monotonic() + 10
+        while not os.path.exists(flag) and time.monotonic() < until:
+            time.sleep(0.05)
     return out
 
 
-def test_a_collective_call_made_on_one_rank_only_says_so():
+def test_a_collective_call_made_on_one_rank_only_says_so(tmp_path):
     from _dist import run_ranks
 
-    msg, waited = run_ranks(_one_rank_only_worker, 2, may_die={1})[0]
+    msg, waited = run_ranks(_one_rank_only_worker, 2, str(tmp_path / "raised"), may_die={1})[0]
     assert waited < 6, f"rank 0 waited {waited:.0f} s: until rank 1 left (at 10 s), not the optimizer's 2 s timeout"
     assert msg.startswith("AccoOptimizer acco.checkpoint.gather(): waiting for the other ranks failed"), msg
     assert "every rank must make this call at the same point" in msg, msg

@@ -57,7 +57,11 @@ def _worker(rank: int, world: int, case: str, stamp: str) -> dict:
             os.kill(os.getpid(), signal.SIGKILL)
         if case == "stalled":
             _stamp(stamp)
-            time.sleep(8)  # alive, but no longer calling step()
+            # Alive, but no longer calling step(), until the survivor has raised (or past DEADLINE): a survivor
+            # that ignores the optimizer's 3 s timeout waits here until run_ranks gives up, and fails the test.
+            until = time.monotonic() + DEADLINE + 5
+            while not os.path.exists(stamp + ".raised") and time.monotonic() < until:
+                time.sleep(0.05)
             return {"left": True}
         if case == "raises":
             try:
@@ -74,6 +78,7 @@ def _worker(rank: int, world: int, case: str, stamp: str) -> dict:
                 break
             time.sleep(0.05)
         out["after_peer_left_s"] = out["raised"] - float(open(stamp).read())
+        _stamp(stamp + ".raised")  # the stalled peer may leave now
     return out
 
 
