@@ -48,8 +48,10 @@ METHODS = {
     "ddp": ("train_ddp.py", []),
     "acco": ("train_acco.py", ["--acco-option=estimate_dtype=None"]),
     "acco-bf16": ("train_acco.py", ["--acco-option=estimate_dtype=bfloat16"]),
+    "acco-bf16-h3": ("train_acco.py", ["--acco-option=estimate_dtype=bfloat16", "--acco-option=estimate_microbatches=3"]),
 }
-LABELS = {"ddp": "ddp", "acco": "acco", "acco-bf16": "acco:estimate-bf16"}  # as overlap.py labels them
+LABELS = {"ddp": "ddp", "acco": "acco", "acco-bf16": "acco:estimate-bf16",  # as overlap.py labels them
+          "acco-bf16-h3": "acco:estimate-bf16-after-3"}
 ROUND_BYTES = 2 * 0.5 * 834_304 * 4  # one round, per rank: reduce-scatter + all-gather of the fp32 buffer (N=2)
 
 

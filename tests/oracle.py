@@ -130,6 +130,7 @@ def update_run(
     synchronous_updates: int = 0,
     estimate_dtype: Optional[torch.dtype] = None,
     max_grad_norm: Optional[float] = None,
+    estimate_microbatches: Optional[int] = None,
 ):
     """One ``step()`` per update of ``m`` micro-batches per rank (``algorithm.md``, "Hand-offs in the user's loop").
 
@@ -143,7 +144,7 @@ def update_run(
     rank's sum of its first ``h`` gradients is cast to it and the ranks' sums
     are added in it, in rank order (a ring's order for 2 ranks), and the
     estimate comes back cast to it. ``max_grad_norm``: each round's averaged gradient is clipped by its global
-    norm. The average multiplies the ranks' sum by ``1/n_ranks`` (an estimate's by ``m/(h n_ranks)``), in
+    norm. ``estimate_microbatches``: ``h``, when not the first half. The average multiplies the ranks' sum by ``1/n_ranks`` (an estimate's by ``m/(h n_ranks)``), in
     the float the library uses, so that exact sums give the very same inputs to an optimizer that rounds
     (Muon orthogonalises in bf16).
 
@@ -158,7 +159,7 @@ def update_run(
     nxt = [0] * n_ranks
     after_step: List[Tensors] = []
     committed: List[Tensors] = []
-    h = m // 2  # micro-batches before the estimate's hand-off
+    h = estimate_microbatches or m // 2  # micro-batches before the estimate's hand-off
 
     def accumulate(accum: Tensors, count: int) -> None:
         for r in range(n_ranks):

@@ -72,6 +72,10 @@ CASES = [
     ("estimate_dtype float16", lambda: (make_model().parameters(),), {"estimate_dtype": torch.float16}, TypeError, "must be 'auto', torch.bfloat16 or None"),
     ("synchronous_updates negative", lambda: (make_model().parameters(),), {"synchronous_updates": -1}, ValueError, "synchronous_updates must be"),
     ("synchronous_updates while accumulating", lambda: (make_model().parameters(),), {"accumulate_while_communicating": True, "synchronous_updates": 5}, ValueError, "one step\\(\\) per update"),
+    ("estimate_microbatches zero", lambda: (make_model().parameters(),), {"microbatches_per_update": 4, "estimate_microbatches": 0}, ValueError, "estimate_microbatches must be None or an int >= 1, got 0"),
+    ("estimate_microbatches in mode sync", lambda: (make_model().parameters(),), {"mode": "sync", "estimate_microbatches": 1}, ValueError, "applies to mode='acco' only"),
+    ("estimate_microbatches while accumulating", lambda: (make_model().parameters(),), {"accumulate_while_communicating": True, "estimate_microbatches": 1}, ValueError, "estimate_microbatches=1 applies to one step\\(\\) per update"),
+    ("estimate_microbatches not below the update's", lambda: (make_model().parameters(),), {"microbatches_per_update": 4, "estimate_microbatches": 4}, ValueError, "estimate_microbatches=4 with 4 micro-batches per update.*at least one after it.*below 4"),
     ("Muon on biases (1-D)", lambda: (make_model().parameters(), torch.optim.Muon), {}, ValueError, "Muon orthogonalises 2-D matrices only.*'optimizer_class': torch.optim.Muon"),
     ("SparseAdam (sparse gradients)", lambda: (make_model().parameters(), torch.optim.SparseAdam), {}, ValueError, "SparseAdam cannot be wrapped.*sparse gradients"),
     ("a user's optimizer without opt-in", lambda: (make_model().parameters(), _MyElementwise), {}, ValueError, "_MyElementwise.*placement='elementwise'.*placement='whole'"),
@@ -152,13 +156,15 @@ RANK_MISMATCHES = [
     ("optimizer_class", {"optimizer_class": torch.optim.Adam}, "optimizer_class"),
     ("microbatches_per_update", {"microbatches_per_update": 4}, "microbatches_per_update"),
     ("timeout", {"timeout": datetime.timedelta(seconds=30)}, "timeout"),  # would build a group on one rank only
+    ("estimate_microbatches", {"estimate_microbatches": 3}, "estimate_microbatches"),  # hand-offs out of step
 ]
+BOTH_RANKS = {"estimate_microbatches": dict(mode="acco", microbatches_per_update=4)}  # what the case needs
 
 
 def _mismatch_worker(rank: int, world: int) -> dict:
     out = {}
     for name, change, _ in RANK_MISMATCHES:
-        kw = dict(mode="sync", lr=1e-2, weight_decay=0.01)
+        kw = {**dict(mode="sync", lr=1e-2, weight_decay=0.01), **BOTH_RANKS.get(name, {})}
         model = make_model()
         if rank == 1:
             kw.update(change)
@@ -175,7 +181,7 @@ def _mismatch_worker(rank: int, world: int) -> dict:
 
 def test_options_that_differ_across_ranks_fail_on_every_rank():
     """Check that a different model, lr, weight_decay, max_grad_norm, compute_dtype, nonfinite, mode, optimizer
-    class or micro-batch count on one rank is reported on every rank at construction, naming what differs."""
+    class, micro-batch count, timeout or estimate hand-off on one rank is reported on every rank at construction, naming what differs."""
     for rank, res in enumerate(run_ranks(_mismatch_worker, 2, timeout=120)):
         for name, _, words in RANK_MISMATCHES:
             msg = res[name]

@@ -115,3 +115,27 @@ def test_parameter_addresses_never_change():
         assert [p.data_ptr() for p in model.parameters()] == ptrs
     opt.finish()
     assert [p.data_ptr() for p in model.parameters()] == ptrs
+
+
+def test_a_learned_update_not_longer_than_estimate_microbatches_is_refused_at_its_step():
+    """Mode acco learning M from the first update: estimate_microbatches must still leave a micro-batch after the
+    estimate's hand-off; the first step() says so, and a long enough update trains (the estimate after 2 of 3)."""
+    for m, h in ((2, 2), (3, 2)):
+        model = make_model()
+        opt = AccoOptimizer(model.parameters(), estimate_microbatches=h, lr=1e-2)
+        for j in range(m):
+            (loss_fn(model, 0, j) / m).backward()
+        if m <= h:
+            with pytest.raises(ValueError, match=f"estimate_microbatches={h} with {m} micro-batches per update"):
+                opt.step()
+            continue
+        opt.step()
+        opt.zero_grad()
+        for t in range(1, 3):
+            for j in range(m):
+                (loss_fn(model, 0, m * t + j) / m).backward()
+                assert opt.num_rounds == 1 + 2 * (t - 1) + (j + 1 >= h), (t, j, opt.num_rounds)  # hand-off after h
+            opt.step()
+            opt.zero_grad()
+        opt.finish()
+        assert (opt.microbatches_per_update, opt.num_updates) == (3, 3)

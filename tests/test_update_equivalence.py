@@ -41,6 +41,12 @@ CONFIGS += [
     ("sgd_momentum/acco/m4-estimate-bf16", "sgd_momentum", "acco", 4, True, False, {"estimate_dtype": torch.bfloat16}),
     # the library's default, "auto": the bf16 estimate, for these fp32 gradients on more than one rank
     ("adamw/acco/m2-estimate-auto", "adamw", "acco", 2, True, False, {"estimate_dtype": "auto"}),
+    # a later (or earlier) estimate hand-off (beyond the paper): extrapolated from h of the M micro-batches
+    ("adamw/acco/m4-estimate-after-3", "adamw", "acco", 4, True, False, {"estimate_microbatches": 3}),
+    ("sgd_momentum/acco/m4-learned-estimate-after-1", "sgd_momentum", "acco", 4, False, False,
+     {"estimate_microbatches": 1}),
+    ("adamw/acco/m4-estimate-after-3-bf16", "adamw", "acco", 4, True, False,
+     {"estimate_microbatches": 3, "estimate_dtype": torch.bfloat16}),
 ]
 # The other configurations name the paper's exact estimate (estimate_dtype=None), which the oracle computes.
 BF16_ESTIMATE_WORLDS = (2,)
@@ -81,7 +87,7 @@ def _worker(rank: int, world: int) -> dict:
         ref_steps, ref_committed, ref_final = update_run(
             theta0, lambda ps: cls(ps, **kw), mode, scaled, world, UPDATES, m, learned=not given and mode == "acco",
             lr_at=_lr if schedule else None, synchronous_updates=options.get("synchronous_updates", 0),
-            estimate_dtype=opt.estimate_dtype)
+            estimate_dtype=opt.estimate_dtype, estimate_microbatches=options.get("estimate_microbatches"))
         out[name] = {
             "step_err": max(rel_err(a, flat_list(b)) for a, b in zip(traj, ref_steps)),
             "committed_err": max(rel_err(a, flat_list(b)) for a, b in zip(committed, ref_committed)),

@@ -51,6 +51,10 @@ METHODS: Dict[str, Tuple[str, List[str], List[str]]] = {
     "ddp": ("train_ddp.py", [], []),
     "acco": ("train_acco.py", [], ["--acco-option=estimate_dtype=None"]),
     "acco-bf16": ("train_acco.py", [], ["--acco-option=estimate_dtype=bfloat16"]),
+    # ... and its estimate handed off after 3 of the 4 micro-batches (estimate_microbatches=3): the commit round
+    # hides behind 3 micro-batches, the bf16 estimate (half the commit's bytes) behind 1
+    "acco-bf16-h3": ("train_acco.py", [], ["--acco-option=estimate_dtype=bfloat16",
+                                           "--acco-option=estimate_microbatches=3"]),
 }
 RATIOS = (11 / 12, 1.0, 13 / 12, 14 / 12)  # the branch lengths searched, as multiples of DDP's length
 GOAL_TIME = 0.75  # issue #28's goal: DDP's target in at most 0.75x DDP's wall-clock (and 1.03x its updates)
@@ -265,7 +269,8 @@ def run_missing(args: argparse.Namespace) -> None:
 # ----------------------------------------------------------------------------- the report (records only)
 
 
-LABELS = {"ddp": "DDP + AdamW", "acco": "ACCO", "acco-bf16": "ACCO, bf16 estimate"}
+LABELS = {"ddp": "DDP + AdamW", "acco": "ACCO", "acco-bf16": "ACCO, bf16 estimate",
+          "acco-bf16-h3": "ACCO, bf16 estimate after 3 of 4"}
 
 
 def bounded(result: dict) -> Tuple[float, str]:
@@ -306,17 +311,16 @@ def _mean(xs):
 
 
 def speeds(path: Path) -> Dict[str, dict]:
-    """Time per update of each method on the testbed, relative to DDP's, from ``benchmarks/overlap.py``
-    records (same model, batch and link): per repeat, DDP's tokens/s over the method's (the same tokens per
-    update), then the median and range over repeats. Empty if the file is absent."""
+    """Time per update of each method on the testbed, relative to DDP's, from ``benchmarks/time_to_target.py
+    speed`` records (the study's loops, one link): per repeat, DDP's tokens/s over the method's (the same tokens
+    per update), then the median and range over repeats. Empty if the file is absent."""
     if not path.exists():
         return {}
     recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    by: Dict[tuple, float] = {(r["label"], r.get("repeat", 0)): r["tokens_per_s"] for r in recs}
-    name = {"ddp": "ddp", "acco": "acco", "acco-bf16": "acco:estimate-bf16"}
+    by: Dict[tuple, float] = {(r["method"], r.get("repeat", 0)): r["tokens_per_s"] for r in recs}
     out = {}
-    for method, label in name.items():
-        ratios = [by[("ddp", rep)] / by[(label, rep)] for (lab, rep) in by if lab == label and ("ddp", rep) in by]
+    for method in METHODS:
+        ratios = [by[("ddp", rep)] / by[(m, rep)] for (m, rep) in by if m == method and ("ddp", rep) in by]
         if ratios:
             out[method] = {"time_per_update": statistics.median(ratios), "min": min(ratios), "max": max(ratios),
                            "repeats": len(ratios), "rate_mbit": recs[0].get("rate_mbit")}
@@ -488,7 +492,7 @@ def plot(records: List[dict], args: argparse.Namespace, path: Path) -> None:
     config = config_of(args)
     rs = [r for r in records if r["config"] == config and r["warmup"] == args.warmups[0] and float(r["lr"]) == args.lr]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4))
-    colors = {"ddp": "black", "acco": "tab:blue", "acco-bf16": "tab:orange"}
+    colors = {"ddp": "black", "acco": "tab:blue", "acco-bf16": "tab:orange", "acco-bf16-h3": "tab:green"}
     for m in METHODS:
         ends: Dict[int, List[float]] = {}
         for r in rs:

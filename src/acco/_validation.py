@@ -206,6 +206,36 @@ def check_synchronous_updates(elastic: bool, synchronous_updates: Any) -> None:
         )
 
 
+def check_estimate_microbatches(mode: str, per_update: Any, elastic: bool, h: Any) -> None:
+    """``estimate_microbatches``: the micro-batches of an update before its estimate's hand-off (mode acco, one
+    ``step()`` per update); ``None`` is the paper's first half, ``microbatches_per_update // 2``."""
+    if h is None:
+        return
+    if not isinstance(h, int) or isinstance(h, bool) or h < 1:
+        raise ValueError(f"estimate_microbatches must be None or an int >= 1, got {h!r}")
+    if mode != "acco":
+        raise ValueError(f"estimate_microbatches={h} applies to mode='acco' only (it places the estimate round), "
+                         f"got mode={mode!r}: drop it")
+    if elastic:
+        raise ValueError(
+            f"estimate_microbatches={h} applies to one step() per update; with accumulate_while_communicating=True "
+            "the hand-offs follow the rounds (min_microbatches bounds them). Drop it, or drop "
+            "accumulate_while_communicating"
+        )
+    if per_update is not None:
+        check_estimate_within(h, per_update)
+
+
+def check_estimate_within(h: int, m: int) -> None:
+    """The estimate's hand-off must leave at least one micro-batch of the update after it (``m`` given or learned)."""
+    if h >= m:
+        raise ValueError(
+            f"estimate_microbatches={h} with {m} micro-batches per update: the estimate round is handed off after "
+            f"{h} of them and needs at least one after it to overlap with. Pass an estimate_microbatches below {m} "
+            "(None: the first half), or run more micro-batches per update"
+        )
+
+
 def check_buffers(buffers: Any, device: torch.device) -> List[torch.Tensor]:
     """The model buffers to keep equal across ranks (``buffers=``)."""
     if buffers is None:

@@ -37,6 +37,7 @@ class LoopContext:
     mode: str
     world_size: int
     synchronous_updates: int
+    estimate_microbatches: Optional[int]  # None: the first half, M // 2
     min_microbatches: int
     max_microbatches: Optional[int]
     progress: Any
@@ -73,8 +74,9 @@ class UpdateLoop:
             p.estimate_in_update = True
 
     def estimate_at(self, m: int) -> int:
-        """The micro-batches of an update before its estimate's hand-off (the first "half")."""
-        return m // 2
+        """The micro-batches of an update before its estimate's hand-off (the first "half", or
+        ``estimate_microbatches``)."""
+        return self.ctx.estimate_microbatches or m // 2
 
     def zero_grad(self) -> None:
         """Discard the update's micro-batches so far (refused once its estimate is handed off)."""
@@ -113,7 +115,7 @@ class UpdateLoop:
                 "epoch): call step() after that many, or build the optimizer with the number you run"
             )
         elif c.mode == "acco" and not p.estimate_in_update:
-            synchronous = True  # a short update (fewer than half the micro-batches): no estimate, no overlap
+            synchronous = True  # a short update (fewer micro-batches than the estimate's): no estimate, no overlap
         if not p.estimate_in_update:
             p.update_hyper = c.hyperparams()
         c.driver.handoff(RoundKind.COMMIT, m, 1.0 / c.world_size)
@@ -132,6 +134,8 @@ class UpdateLoop:
             )
         if m < 2:
             raise ValueError(V.ACCO_NEEDS_TWO.format(m=m))
+        if self.ctx.estimate_microbatches is not None:
+            V.check_estimate_within(self.ctx.estimate_microbatches, m)
         self.ctx.progress.microbatches_per_update = m
         log.info("acco: %d micro-batches per update (learned from the first update, which ran synchronously)", m)
 

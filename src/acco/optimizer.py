@@ -146,6 +146,13 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         synchronous_updates: the first this many updates run synchronously (no
             estimate, no overlap), as the paper warms DPU up; counted in
             committed updates, so a resumed run does not repeat them.
+        estimate_microbatches: mode acco, beyond the paper: the estimate
+            round is handed off after this many of an update's micro-batches
+            (``None``, the default: the first half, ``M // 2``, the paper's).
+            A later hand-off gives the commit round more compute to hide
+            behind and the estimate round less, which suits a bf16 estimate
+            (a smaller round) on a slow link; its gradients are extrapolated
+            from ``h`` micro-batches to ``M``. Must be below ``M``.
         **optimizer_kwargs: passed to ``optimizer_class`` (``lr=...``).
 
     Evaluate or save the committed weights inside :meth:`committed_weights`.
@@ -178,6 +185,7 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         assume_elementwise: bool = False,
         placement: Optional[str] = None,
         synchronous_updates: int = 0,
+        estimate_microbatches: Optional[int] = None,
         **optimizer_kwargs: Any,
     ) -> None:
         placement = V.check_placement_option(placement, assume_elementwise)
@@ -187,6 +195,8 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         V.check_clipping(max_grad_norm, nonfinite)
         V.check_timeout(timeout)
         V.check_synchronous_updates(accumulate_while_communicating, synchronous_updates)
+        V.check_estimate_microbatches(mode, microbatches_per_update, accumulate_while_communicating,
+                                      estimate_microbatches)
         groups = V.normalize_param_groups(params)
         classes = [V.group_class(g, gi, optimizer_class) for gi, g in enumerate(groups)]
         groups = V.other_class_defaults(groups, classes, optimizer_class)
@@ -214,6 +224,7 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         self.max_grad_norm = max_grad_norm
         self.nonfinite = nonfinite
         self.synchronous_updates = synchronous_updates
+        self.estimate_microbatches = estimate_microbatches
         self.timeout = timeout
         self._group = V.resolve_process_group(process_group)
         self.world_size = group_size(self._group)
@@ -296,6 +307,7 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         )
         loop = LoopContext(
             mode=mode, world_size=self.world_size, synchronous_updates=synchronous_updates,
+            estimate_microbatches=estimate_microbatches,
             min_microbatches=min_microbatches, max_microbatches=max_microbatches, progress=self._progress,
             driver=self._driver, flat=self._flat, round_done=self.scheduler.done, check_open=self._check_open,
             hyperparams=self._hyperparams, clip_hint=self._clip_hint, gather_row=self._all_gather_row,
