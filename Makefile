@@ -35,6 +35,7 @@ study: $(VENV)/.ready
 ## at 2e-3 and 4e-3): resumable, appends to docs/convergence_data/lr_study.jsonl, then rewrites its tables and
 ## plots. On 2 cores a run takes 270-600 s with the machine to itself: the 35 runs the question needs about 4 h, all
 ## 41 about 5.5 h (the recorded 41 took 7.98 h, some beside tests). `make lr-study LR_STUDY_ARGS=--report-only` redraws.
+## While tests or a timing benchmark run: `sh examples/nanogpt/pause.sh stop`, then `... cont` (the ranks too).
 lr-study: $(VENV)/.ready
 	nice -n 19 $(PY) examples/nanogpt/study.py $(LR_STUDY_ARGS)
 
