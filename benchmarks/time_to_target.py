@@ -43,13 +43,19 @@ sys.path.insert(0, str(NANOGPT))
 import _launch  # noqa: E402
 import netns  # noqa: E402
 
-# method -> (script, instrument.py flags): the study's (examples/nanogpt/time_to_target.py)
-METHODS = {
-    "ddp": ("train_ddp.py", []),
-    "acco": ("train_acco.py", ["--acco-option=estimate_dtype=None"]),
-    "acco-bf16": ("train_acco.py", ["--acco-option=estimate_dtype=bfloat16"]),
-    "acco-bf16-h3": ("train_acco.py", ["--acco-option=estimate_dtype=bfloat16", "--acco-option=estimate_microbatches=3"]),
-}
+
+def _study_methods() -> dict:
+    """The study's methods (examples/nanogpt/time_to_target.py, loaded by path: this file has its name):
+    method -> (script, the script's settings, instrument.py's flags)."""
+    import importlib.util  # noqa: PLC0415
+
+    spec = importlib.util.spec_from_file_location("nanogpt_time_to_target", NANOGPT / "time_to_target.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.METHODS
+
+
+METHODS = _study_methods()
 LABELS = {"ddp": "ddp", "acco": "acco", "acco-bf16": "acco:estimate-bf16",  # as overlap.py labels them
           "acco-bf16-h3": "acco:estimate-bf16-after-3"}
 ROUND_BYTES = 2 * 0.5 * 834_304 * 4  # one round, per rank: reduce-scatter + all-gather of the fp32 buffer (N=2)
@@ -65,9 +71,10 @@ def settings(args, method: str, lr: float, seed: int, steps: int, warmup: int) -
 
 def run(method: str, extra: list, out: Path, loopback: bool, timeout: float) -> dict:
     """One run of ``method`` on 2 ranks (one per namespace, or loopback); its logs."""
-    script, flags = METHODS[method]
+    script, settings_of_method, flags = METHODS[method]
     out.mkdir(parents=True, exist_ok=True)
-    cmds = _launch.torchrun_commands([*flags, str(NANOGPT / script), f"--out_dir={out}", *extra], 2, loopback,
+    cmds = _launch.torchrun_commands([*flags, str(NANOGPT / script), f"--out_dir={out}", *extra, *settings_of_method],
+                                     2, loopback,
                                      script=NANOGPT / "instrument.py")
     logs, failed = _launch.run_processes(cmds, timeout=timeout)
     if failed or not (out / "train_log.json").exists():

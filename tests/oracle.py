@@ -136,7 +136,7 @@ def update_run(
 
     ``grad_fn`` gives the gradient of the user's loss as the user scales it. An
     update's gradient is the ranks' mean of their summed ``.grad`` (what DDP
-    all-reduces); an estimate extrapolates its ``h = m // 2`` micro-batches to
+    all-reduces); an estimate extrapolates its ``h = m // 2`` (or ``estimate_microbatches``) micro-batches to
     ``m``. ``learned``: mode acco learned ``m`` from a first update that ran
     synchronously. ``lr_at(t)``: the learning rate of update ``t`` (a scheduler
     stepped after each ``step()``). ``synchronous_updates``: the

@@ -139,3 +139,24 @@ def test_a_learned_update_not_longer_than_estimate_microbatches_is_refused_at_it
             opt.zero_grad()
         opt.finish()
         assert (opt.microbatches_per_update, opt.num_updates) == (3, 3)
+
+
+def test_a_loaded_or_set_update_not_longer_than_estimate_microbatches_is_refused():
+    """M can also come from a checkpoint (an optimizer that learns M takes the saved one) or be set: either way
+    estimate_microbatches must stay below it, refused before anything is loaded or changed."""
+    model = make_model()
+    src = AccoOptimizer(model.parameters(), microbatches_per_update=2, lr=1e-2)
+    for j in range(2):
+        (loss_fn(model, 0, j) / 2).backward()
+    src.step()
+    src.finish()
+    sd = src.state_dict()
+    target = AccoOptimizer(make_model().parameters(), estimate_microbatches=2, lr=1e-2)
+    with pytest.raises(ValueError, match="load_state_dict.*estimate_microbatches=2 with 2 micro-batches.*Nothing was loaded"):
+        target.load_state_dict(sd)
+    assert target.microbatches_per_update is None and target.num_updates == 0
+    with pytest.raises(ValueError, match="estimate_microbatches=2 with 2 micro-batches per update"):
+        target.microbatches_per_update = 2
+    assert target.microbatches_per_update is None
+    target.microbatches_per_update = 3  # long enough: taken
+    target.finish()

@@ -220,7 +220,8 @@ def test_the_report_says_what_the_time_goal_asks_of_each_side(tmp_path, losses, 
             "train_loss": [], "wall_s": 1.0}
     rs = [dict(base, kind="branch", method="ddp", T=12, start=10, final_val_loss=2.0)]
     rs += [dict(base, kind="branch", method="acco", T=t, start=round(0.8 * t), final_val_loss=v) for t, v in losses.items()]
-    speed = {"acco": {"time_per_update": 0.85, "min": 0.8, "max": 0.9, "repeats": 3, "rate_mbit": 67.0}}
+    speed = {"ddp": {"time_per_update": 1.0, "min": 1.0, "max": 1.0, "repeats": 3, "rate_mbit": 67.0},
+             "acco": {"time_per_update": 0.85, "min": 0.8, "max": 0.9, "repeats": 3, "rate_mbit": 67.0}}
     text = ttt.report_markdown(ttt.summarize(rs, args), args, speed)
     assert "| 0.75x asks: time per update | 0.75x asks: updates ratio |" in text
     row = next(x for x in text.splitlines() if x.startswith("| ACCO | 2 | 12 | 0 | 0.850 [0.800–0.900]"))

@@ -4,15 +4,25 @@
 # Signals each study process and every descendant: torchrun starts each rank in a session of its own, so
 # signalling the study's process group alone leaves the ranks running. Keep a pause well under the ranks'
 # process-group timeout (gloo's default, 30 min): a collective waiting across the pause may time out after it.
-set -eu
+# The time paused counts in the runs' recorded wall time.
+set -u
 case "${1:-}" in stop) sig=STOP ;; cont) sig=CONT ;; *) echo "usage: $0 stop|cont" >&2; exit 2 ;; esac
-roots=$(pgrep -f 'examples/nanogpt/(study|time_to_target)\.py' || true)
-[ -n "$roots" ] || { echo "no study running"; exit 0; }
-all=""; frontier=$roots
-while [ -n "$frontier" ]; do
-  all="$all $frontier"; next=""
-  for p in $frontier; do next="$next $(pgrep -P "$p" || true)"; done
-  frontier=$(echo $next)
+tree() {  # the studies' python processes and all their descendants
+  frontier=$(pgrep -f 'python.*examples/nanogpt/(study|time_to_target)\.py' || true)
+  out=""
+  while [ -n "$frontier" ]; do
+    out="$out $frontier"; next=""
+    for p in $frontier; do next="$next $(pgrep -P "$p" || true)"; done
+    frontier=$(echo $next)
+  done
+  echo $out
+}
+done_=""
+for pass in 1 2 3; do  # again, for a rank or run started while the tree was being signalled
+  new=""
+  for p in $(tree); do case " $done_ " in *" $p "*) ;; *) new="$new $p" ;; esac; done
+  [ -n "$new" ] || break
+  for p in $new; do kill -s "$sig" "$p" 2>/dev/null || true; done
+  done_="$done_$new"
 done
-kill -s "$sig" $all
-echo "$sig:$all"
+[ -n "$done_" ] && echo "$sig:$done_" || echo "no study running"

@@ -455,9 +455,9 @@ def report_markdown(s: dict, args: argparse.Namespace, speed: Dict[str, dict]) -
     # time to target, composed
     if speed:
         out += ["", f"Time to target, composed: the updates ratio times the method's time per update over DDP's on "
-                f"the netns testbed ({speed['acco']['rate_mbit']:g} Mbit/s per rank, a round about half an update's "
+                f"the netns testbed ({speed['ddp']['rate_mbit']:g} Mbit/s per rank, a round about half an update's "
                 "compute; `docs/benchmarks.md` §9), median [range] over "
-                f"{speed['acco']['repeats']} interleaved repeats:", "",
+                f"{speed['ddp']['repeats']} interleaved repeats:", "",
                 f"The last two columns are what a time to target of {GOAL_TIME:g}x DDP's would ask: of the time per "
                 "update, at the mean updates ratio measured; of the updates ratio, at the median time per update "
                 "measured (below 1: fewer updates than DDP itself).", "",
@@ -543,7 +543,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--doc", type=Path, default=ROOT / "docs" / "convergence.md")
     p.add_argument("--workdir", type=Path, default=ROOT / "runs" / "time_to_target")
     p.add_argument("--speed", type=Path, default=ROOT / "docs" / "benchmarks_data" / "time_to_target_speed.jsonl",
-                   help="benchmarks/overlap.py records of these methods on the testbed (time per update)")
+                   help="benchmarks/time_to_target.py speed records of these methods on the testbed (time per update)")
     p.add_argument("--methods", type=lambda s: s.split(","), default=["ddp", "acco", "acco-bf16"])
     p.add_argument("--lr", type=float, default=2e-3, help="DDP's best LR (the LR study's): every method runs here")
     p.add_argument("--ddp-lrs", type=lambda s: [float(x) for x in s.split(",") if x], default=[4e-3],

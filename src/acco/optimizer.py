@@ -15,7 +15,8 @@ Two ways to drive it:
   ``backward()`` on the update's micro-batches, then ``step()``. In mode
   ``acco`` the library hands off the estimate round itself, from an
   end-of-backward callback, once the first half of the update's micro-batches
-  is done, and puts ``theta_t`` in the model for the second half.
+  is done (or ``estimate_microbatches`` of them), and puts ``theta_t`` in the
+  model for the rest.
 * **accumulate while communicating** (``accumulate_while_communicating=True``,
   for loops written for it): ``step()`` after every micro-batch is a hand-off
   *point*; a round is handed off only when the previous one has finished, so a
@@ -66,8 +67,8 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
     all-gather runs in the background while the next micro-batches compute.
     In mode ``"acco"`` an update needs at least two micro-batches: the first
     half gives an estimate ``theta~`` (handed off when the backward that ends
-    the first half finishes), both halves the committed update (handed off by
-    ``step()``). ``"dpu"`` (delayed, uncompensated) and ``"sync"`` (plain
+    the first half finishes; ``estimate_microbatches`` moves that point), both
+    halves the committed update (handed off by ``step()``). ``"dpu"`` (delayed, uncompensated) and ``"sync"`` (plain
     ZeRO-1) are the baselines.
 
     Construction, ``step()`` and ``finish()`` are collective: call them on all
@@ -303,7 +304,7 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
             describe=self._describe(), gather_row=self._all_gather_row,
             view=lambda: (self._in_committed_view, self._view_swapped), hyperparams=self._hyperparams,
             collective_group=lambda: self._driver.ctx.group if self._driver.ctx.group is not None else self._group,
-            process_group=self._group,
+            process_group=self._group, estimate_microbatches=estimate_microbatches,
         )
         loop = LoopContext(
             mode=mode, world_size=self.world_size, synchronous_updates=synchronous_updates,
@@ -387,6 +388,8 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
 
     @microbatches_per_update.setter
     def microbatches_per_update(self, value: Optional[int]) -> None:
+        if value is not None and self.estimate_microbatches is not None:
+            V.check_estimate_within(self.estimate_microbatches, value)
         self._progress.microbatches_per_update = value
 
     @property

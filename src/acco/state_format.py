@@ -67,6 +67,7 @@ class StateOwners:
     hyperparams: Callable[[], List[Dict[str, Any]]]
     collective_group: Callable[[], Any]  # the rounds' group (idle at an update boundary), the user's after finish()
     process_group: Any
+    estimate_microbatches: Optional[int] = None  # the option, checked against a loaded microbatches_per_update
 
 
 def piece_key(index: int, start: int) -> str:

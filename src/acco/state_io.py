@@ -11,6 +11,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
+from . import _validation as V
 from . import state_legacy
 from .checksums import CheckpointError, checksums, verify
 from .progress import Progress
@@ -173,6 +174,12 @@ def check_loadable(owners: StateOwners, sd: Dict[str, Any], restore_model: bool 
                 "fewer ranks), pass allow_new_microbatches=True (opt.load_state_dict or acco.checkpoint.load); "
                 f"otherwise build the optimizer with microbatches_per_update={saved_m}. Nothing was loaded."
             )
+        in_force = mine_m if mine_m is not None else saved_m
+        if owners.estimate_microbatches is not None and in_force is not None:
+            try:
+                V.check_estimate_within(owners.estimate_microbatches, in_force)
+            except ValueError as exc:
+                raise ValueError(f"AccoOptimizer.load_state_dict(): {exc}. Nothing was loaded.") from None
         require_boundary(owners, "load_state_dict")
         if kind == "rank_shard" and not restore_model:
             check_model_matches(owners, saved, sd["counters"])
