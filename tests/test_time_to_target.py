@@ -226,3 +226,18 @@ def test_the_report_says_what_the_time_goal_asks_of_each_side(tmp_path, losses, 
     assert "| 0.75x asks: time per update | 0.75x asks: updates ratio |" in text
     row = next(x for x in text.splitlines() if x.startswith("| ACCO | 2 | 12 | 0 | 0.850 [0.800–0.900]"))
     assert [c.strip() for c in row.strip("|").split("|")][-2:] == [asks_time, "0.882"], row
+
+
+def test_a_trunk_run_again_for_a_branch_is_recorded(tmp_path, monkeypatch):
+    """A branch whose trunk checkpoint is gone runs the trunk again; that run is recorded too (it may be longer
+    than the recorded one, whose gaps the report then reads), before the branch's own record."""
+    ttt = _tool()
+    records = tmp_path / "r.jsonl"
+    args = ttt.parse([*TINY, "--records", str(records), "--workdir", str(tmp_path / "w")])
+    line = next(x for x in ttt.lines(args) if x["method"] == "acco")
+    monkeypatch.setattr(ttt, "run_trunk", lambda a, ln: {"kind": "trunk", "method": ln["method"], "T": 14})
+    launched = []
+    monkeypatch.setattr(ttt, "launch", lambda *a: launched.append(a) or ([{"iter": 12, "val_loss": 2.0}], [], None, 1.0))
+    branch = ttt.run_branch(args, {"kind": "branch", "line": line, "T": 12, "floor": 0.0}, tmp_path)
+    assert [json.loads(x) for x in records.read_text().splitlines()] == [{"kind": "trunk", "method": "acco", "T": 14}]
+    assert (branch["kind"], branch["T"], branch["start"], len(launched)) == ("branch", 12, 10, 1)

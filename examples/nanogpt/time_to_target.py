@@ -233,13 +233,19 @@ def run_branch(args: argparse.Namespace, job: dict, tmp: Path) -> dict:
     ckpt = trunk_dir(args, line) / f"ckpt-{start}.pt"
     if not ckpt.exists():  # the records have the trunk, this machine not its checkpoints: run it again
         print(f"  trunk checkpoint {ckpt} missing: running the trunk again", flush=True)
-        run_trunk(args, line)
+        append_record(args, run_trunk(args, line))  # a finished run too (and maybe a longer trunk than recorded)
     script, _, flags = METHODS[line["method"]]
     out = tmp / f"branch-{t}"
     evals, train, _, wall = launch(script, flags, overrides_of(args, line) + [
         f"--max_iters={t}", f"--cooldown_iters={t - start}", f"--min_lr={line['lr'] * floor}",
         "--init_from=resume", f"--resume_from={ckpt.resolve()}"], out)
     return record_of(args, {**job, "start": start}, evals, train, wall)
+
+
+def append_record(args: argparse.Namespace, record: dict) -> None:
+    """One line per finished run: the study resumes from here (a line key's last trunk is the one the report reads)."""
+    with open(args.records, "a") as f:
+        f.write(json.dumps(record) + "\n")
 
 
 def run_missing(args: argparse.Namespace) -> None:
@@ -261,8 +267,7 @@ def run_missing(args: argparse.Namespace) -> None:
                     if attempt == 2:
                         raise
                     print(f"{exc}\nretrying once", file=sys.stderr, flush=True)
-            with open(args.records, "a") as f:
-                f.write(json.dumps(record) + "\n")  # one line per finished run: the study resumes from here
+            append_record(args, record)
             print(f"  final held-out loss {record['final_val_loss']:.4f} ({record['wall_s']:.0f} s)", flush=True)
 
 
