@@ -56,7 +56,9 @@ def _study_methods() -> dict:
 
 
 METHODS = _study_methods()
-LABELS = {"ddp": "ddp", "acco": "acco", "acco-bf16": "acco:estimate-bf16",  # as overlap.py labels them
+# the records' labels of the methods measured before the records named their method (as overlap.py labels them);
+# a method added to the study since is labelled by its name
+LABELS = {"ddp": "ddp", "acco": "acco", "acco-bf16": "acco:estimate-bf16",
           "acco-bf16-h3": "acco:estimate-bf16-after-3"}
 ROUND_BYTES = 2 * 0.5 * 834_304 * 4  # one round, per rank: reduce-scatter + all-gather of the fp32 buffer (N=2)
 
@@ -124,9 +126,9 @@ def main(argv=None) -> None:
                         logs = run(method, settings(args, method, args.lr, args.seed, args.updates, args.schedule_warmup),
                                    Path(tmp) / f"{method}-{repeat}", args.loopback, args.timeout)
                         t = per_update(logs["train"], args.warmup)
-                        rec = {"label": LABELS[method], "method": method, "repeat": repeat, "rate_mbit": args.rate,
-                               "seconds_per_update": t, "tokens_per_s": 16384 / t, "updates": args.updates,
-                               "date": time.strftime("%Y-%m-%d")}
+                        rec = {"label": LABELS.get(method, method), "method": method, "repeat": repeat,
+                               "rate_mbit": args.rate, "seconds_per_update": t, "tokens_per_s": 16384 / t,
+                               "updates": args.updates, "date": time.strftime("%Y-%m-%d")}
                         f.write(json.dumps(rec) + "\n")
                         f.flush()
                         print(f"repeat {repeat + 1}/{args.repeats} {method:10s} {t:.3f} s per update", flush=True)

@@ -210,7 +210,7 @@ def save(args, trainer, model, gen, rank, world, train_time: float) -> None:
     slice into a temporary folder, the folder is marked complete once every rank has written, then renamed into
     place). It holds the model (committed weights), the optimizer, the update index, every rank's data-stream
     position (its generator state), the torch RNG and the training time so far (``train_time``: seconds,
-    evaluations excluded, every attempt before this one included)."""
+    evaluations excluded, every attempt before this one included; rank 0's, which metrics.jsonl logs)."""
     import shutil
 
     import acco.checkpoint
@@ -219,6 +219,11 @@ def save(args, trainer, model, gen, rank, world, train_time: float) -> None:
     if world > 1:
         streams = [torch.empty_like(streams[0]) for _ in range(world)]
         dist.all_gather(streams, gen.get_state())  # every rank's data position, so each resumes its own stream
+    time_so_far = torch.tensor(train_time, dtype=torch.float64)
+    if world > 1:
+        # rank 0's training time, the clock of metrics.jsonl: the checkpoint keeps one rank's copy of an extra,
+        # and another rank's clock can be behind rank 0's (a resumed run's time then went back)
+        dist.broadcast(time_so_far, src=0)
     path = os.path.join(args.ckpt_dir, f"update_{trainer.started:07d}")
     if args.slow_ckpt_write > 0:  # a slow disk: every rank's write takes this much longer
         import torch.distributed.checkpoint as dcp
@@ -237,7 +242,7 @@ def save(args, trainer, model, gen, rank, world, train_time: float) -> None:
         acco.checkpoint.save(path, trainer.opt, model=model,
                              extra={"update": torch.tensor(trainer.started), "data_streams": torch.stack(streams),
                                     "torch_rng": torch.get_rng_state(),
-                                    "train_time": torch.tensor(train_time, dtype=torch.float64)})
+                                    "train_time": time_so_far})
     if rank == 0:  # keep the newest --ckpt-keep complete ones
         done = sorted(d for d in os.listdir(args.ckpt_dir) if d.startswith("update_") and not d.endswith((".tmp", ".old")))
         for old in done[: -args.ckpt_keep]:

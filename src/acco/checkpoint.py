@@ -142,7 +142,9 @@ def save(path: str, optimizer: "AccoOptimizer", *, model: Optional[torch.nn.Modu
     Crash-safe: DCP writes ``PATH.tmp``; only once every rank has finished is
     it renamed to ``PATH`` (the previous checkpoint is moved aside first and
     deleted last), so a crash while saving leaves the previous checkpoint whole.
-    ``extra``: tensors of your own (e.g. the data position), restored by :func:`load`.
+    ``extra``: tensors of your own (e.g. the data position), restored by :func:`load`. Give every rank the same
+    values (gather per-rank ones, broadcast a rank's clock): DCP keeps one rank's copy of each, and a warning names
+    those that differ.
     """
     import torch.distributed.checkpoint as dcp
 
