@@ -18,12 +18,9 @@ $(VENV)/.ready: pyproject.toml
 
 venv: $(VENV)/.ready
 
-## Run the test suite (CPU; multi-rank tests on gloo, each with a timeout) on TEST_WORKERS pytest-xdist workers, a
-## file at a time on each (--dist loadfile: a file's module fixtures are built once, and the two-host tests of
-## test_cluster.py, which share their namespaces, run one after another). TEST_WORKERS=0: in this process.
-TEST_WORKERS ?= 2
+## Run the test suite (CPU; multi-rank tests on gloo, each with a timeout).
 test: $(VENV)/.ready
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadfile --durations=15
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q
 
 ## What ACCO buys (about 80 s on 2 cores): DDP, ZeRO-1 and ACCO on 2 CPU ranks over a simulated slow link,
 ## a table of tokens/s, communication hidden and held-out loss, a verdict, and runs/demo/loss_vs_time.png.

@@ -78,8 +78,8 @@ def test_overlap_and_report_smoke(tmp_path):
 def test_hetero_smoke(tmp_path):
     """Check hetero.py: the slowed rank contributes fewer micro-batches per round to acco-acc."""
     out = tmp_path / "hetero.jsonl"
-    # rank 1 8x slower, not the script's 2x: make test runs two files at once, and the other file's load on the
-    # CPU once made the fast rank as slow as the slowed one (2.0 against 2.25 micro-batches per round)
+    # rank 1 8x slower, not the script's 2x, so that other load on the CPU cannot make the unslowed rank the slower
+    # one (beside another test file it once did: 2.0 against 2.25 micro-batches per round)
     run_command([sys.executable, str(BENCH / "hetero.py"), "--loopback", "--smoke", "--repeats", "1", "--methods",
                  "compute,acco-acc,sync", "--slow-factor", "8", "--out", str(out)], timeout=300)
     recs = {r["label"]: r for r in _records(out)}
