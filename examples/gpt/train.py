@@ -215,12 +215,10 @@ def save(args, trainer, model, gen, rank, world, train_time: float) -> None:
 
     import acco.checkpoint
 
-    streams = [gen.get_state()]
+    streams, time_so_far = [gen.get_state()], torch.tensor(train_time, dtype=torch.float64)
     if world > 1:
         streams = [torch.empty_like(streams[0]) for _ in range(world)]
         dist.all_gather(streams, gen.get_state())  # every rank's data position, so each resumes its own stream
-    time_so_far = torch.tensor(train_time, dtype=torch.float64)
-    if world > 1:
         # rank 0's training time, the clock of metrics.jsonl: the checkpoint keeps one rank's copy of an extra,
         # and another rank's clock can be behind rank 0's (a resumed run's time then went back)
         dist.broadcast(time_so_far, src=0)
