@@ -251,18 +251,65 @@ def test_trace_analysis_counts_overlap_and_host_syncs():
     assert r["host_syncs_per_update"] == {"cudaStreamSynchronize": 1.0}
 
 
+def test_trace_analysis_takes_the_streams_from_markers_and_syncs_from_the_window():
+    """The first GPU run's trace: the rounds' stream had more kernel time than compute's, so 'the busiest
+    stream is compute' measured the wrong overlap, and the profiler's own cudaDeviceSynchronize calls
+    (outside the updates) counted as host syncs. Markers name the streams; the window bounds the syncs."""
+    import gpu_check
+
+    events = [
+        {"ph": "X", "cat": "kernel", "name": "void at::cuda::spin_kernel(long)", "ts": 0, "dur": 1, "args": {"stream": 7}},
+        {"ph": "X", "cat": "kernel", "name": "void at::cuda::spin_kernel(long)", "ts": 2, "dur": 1, "args": {"stream": 14}},
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaDeviceSynchronize", "ts": 1, "dur": 1},  # outside
+        {"ph": "X", "cat": "user_annotation", "name": gpu_check.WINDOW, "ts": 10, "dur": 100},
+        {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 10, "dur": 10, "args": {"stream": 7}},
+        {"ph": "X", "cat": "kernel", "name": "adam", "ts": 15, "dur": 40, "args": {"stream": 14}},  # 5 of 40 under
+        {"ph": "X", "cat": "kernel", "name": "ncclDevKernel_ReduceScatter", "ts": 60, "dur": 20, "args": {"stream": 14}},
+        {"ph": "X", "cat": "kernel", "name": "gemm", "ts": 70, "dur": 20, "args": {"stream": 7}},  # half the nccl
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaEventSynchronize", "ts": 50, "dur": 1},  # inside
+        {"ph": "X", "cat": "cuda_runtime", "name": "cudaDeviceSynchronize", "ts": 120, "dur": 1},  # outside
+    ]
+    r = gpu_check.analyze_trace(events, updates=1, window=gpu_check.WINDOW)
+    assert r["compute_stream"] == 7 and r["overlap"] == {14: 15 / 60} and r["comm_overlap"] == 0.5
+    assert r["host_syncs_per_update"] == {"cudaEventSynchronize": 1.0}
+    unmarked = gpu_check.analyze_trace([e for e in events if "spin" not in e.get("name", "")], updates=1)
+    assert unmarked["compute_stream"] == 14 and len(unmarked["host_syncs_per_update"]) == 2  # the old reading
+
+
 def test_gpu_check_verdict_fails_on_what_a_gpu_must_not_show():
     """The verdict names each failure of a GPU run: a sync in the steady state, blocking calls in the trace
     beyond the library's counted waits, a side stream not overlapped, errors at different steps."""
     import gpu_check
 
-    good = {"errors": {"same_step": True, "raised_at": [4, 4]},
+    good = {"tests": {"exit": 0, "summary": "19 passed"}, "errors": {"same_step": True, "raised_at": [4, 4]},
             "syncs": {"sync_warnings_per_update": 0.0, "examples": [], "host_waits_per_update": 0.5},
             "trace": {"host_syncs_per_update": {"cudaEventSynchronize": 0.5}, "compute_stream": 7, "overlap": {13: 0.9}}}
     assert gpu_check.verdict(good, dry=False) == []
-    bad = {"errors": {"same_step": False, "raised_at": [4, 5]},
+    bad = {"tests": {"exit": 1, "summary": "1 failed"}, "errors": {"same_step": False, "raised_at": [4, 5]},
            "syncs": {"sync_warnings_per_update": 2.0, "examples": ["x"], "host_waits_per_update": 0.0},
-           "trace": {"host_syncs_per_update": {"cudaStreamSynchronize": 1.0}, "compute_stream": 7, "overlap": {13: 0.1}}}
+           "trace": {"host_syncs_per_update": {"cudaStreamSynchronize": 1.0}, "compute_stream": 7, "overlap": {13: 0.1},
+                     "comm_overlap": 0.1}}
     failures = gpu_check.verdict(bad, dry=False)
-    assert len(failures) == 4, failures
-    assert len(gpu_check.verdict(bad, dry=True)) == 1  # a dry run measures only the error step
+    assert len(failures) == 5, failures
+    assert len(gpu_check.verdict(bad, dry=True)) == 2  # a dry run: the CUDA tests' exit and the error step
+    raised = dict(good, memory={"error": "RuntimeError: x", "traceback": []})
+    assert gpu_check.verdict(raised, dry=True) == ["section memory raised RuntimeError: x"]
+    err = raised["memory"]
+    block = gpu_check.render({"device_name": "d", "tests": {"command": "c", "exit": 0, "summary": "s"},
+                              **{k: err for k in ("trace", "overhead", "compile", "memory", "syncs", "errors")},
+                              "failures": ["f"]}, dry=True, device="cpu", argv=[])
+    assert block.count("**Raised** `RuntimeError: x`") == 6 and "FAIL: f" in block
+
+
+@pytest.mark.parametrize("script", ["gpu_time.py", "gpu_memory.py"])
+def test_gpu_optimizer_benchmarks_run_dry_on_cpu(script):
+    """The per-optimizer GPU benchmarks (time, memory) run end to end on CPU: every configuration prints a row."""
+    extra = ["--repeats", "1"] if script == "gpu_time.py" else []
+    r = subprocess.run([sys.executable, str(BENCH / script), "--dry-run", *extra], capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    from gpu_time import CONFIGS
+
+    rows = [l.split()[0] for l in r.stdout.splitlines() if l.strip() and l.split()[0] in CONFIGS
+            and ("|" in l or "steady" in l)]
+    assert rows == CONFIGS, r.stdout

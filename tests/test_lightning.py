@@ -158,6 +158,25 @@ def test_strategy_options_are_acco_options():
         AccoStrategy(max_grad_norm=1.0)
 
 
+def test_on_cuda_the_strategy_does_not_look_for_ddp_comm_hooks():
+    """Check setup's hook registration on a CUDA root device: Lightning's DDPStrategy asserts its model is a
+    DistributedDataParallel there (found on the first GPU run: Trainer(accelerator="gpu", strategy="acco")
+    failed in setup); AccoStrategy has no DDP and no hooks to register. Runs on CPU: only the device is named."""
+    from lightning.pytorch.strategies import DDPStrategy
+
+    from acco.integrations.lightning import AccoStrategy
+
+    for cls, fails in ((DDPStrategy, True), (AccoStrategy, False)):
+        s = cls(parallel_devices=[torch.device("cuda", 0)])
+        s.model = torch.nn.Linear(2, 2)
+        assert s.root_device.type == "cuda"
+        if fails:  # the premise: without the override, this is what a GPU user met
+            with pytest.raises(AssertionError):
+                s._register_ddp_hooks()
+        else:
+            s._register_ddp_hooks()
+
+
 class _Split:
     """The Muon + AdamW split built in configure_optimizers, as one AccoOptimizer (``clip``: its max_grad_norm)."""
 

@@ -453,3 +453,12 @@ def test_fused_adamw_skips_in_its_kernel_without_a_snapshot():
     assert stream["report"]["estimate_scratch"] == 0
     assert snap["report"]["estimate_scratch"] >= 3 * stream["report"]["master"]  # master, exp_avg, exp_avg_sq, steps
     assert stream["races"] == [] and snap["races"] == []
+
+
+def test_record_stream_leaves_host_tensors_alone():
+    """Check the CUDA API's record_stream skips host tensors (torch has no record_stream for them). Found on the
+    first GPU run: Adafactor keeps its step counter on the host, and the round's list of tensors the side
+    stream uses included it, so every Adafactor round on CUDA raised NotImplementedError."""
+    from acco.device_api import CudaStreams
+
+    CudaStreams.record_stream(torch.zeros(()), torch.Stream("cpu"))  # raised before the fix

@@ -62,13 +62,14 @@ class Net(nn.Module):
             p = getattr(self, n)
             g = torch.Generator().manual_seed(10_000 * rank + 100 * index + k + 1)
             a, y = torch.randn(p.shape, generator=g), torch.randn(p.shape, generator=g) * 0.5
+            a, y = a.to(p.device), y.to(p.device)  # the same data on any device (tests/test_cuda.py)
             total = total + ((torch.tanh(_Quantise.apply(p) * a) - y) ** 2).sum() * scale
         return total
 
 
-def _grad_fn(names, scale: float):
+def _grad_fn(names, scale: float, device: str = "cpu"):
     def grad_fn(rank, index, weights):
-        net = Net(names)
+        net = Net(names).to(device)
         with torch.no_grad():
             for p, w in zip(net.parameters(), weights):
                 p.copy_(w)

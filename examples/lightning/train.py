@@ -5,7 +5,8 @@
 
 The module is ``lightning.pytorch.demos.LightningTransformer`` (Lightning's documentation example), with
 ``configure_optimizers`` returning AdamW and a scheduler stepped every update, as Lightning's
-``configure_optimizers`` documentation shows; Lightning launches the 2 CPU processes itself (``devices=2``).
+``configure_optimizers`` documentation shows; Lightning launches the 2 CPU processes itself (``devices=2``;
+``--accelerator gpu --devices N`` for N GPUs).
 The data is random tokens: the demo's WikiText2 needs a download. ``docs/integrations.md`` records what it
 printed.
 """
@@ -51,9 +52,11 @@ def main() -> None:
     p.add_argument("--strategy", default="acco")
     p.add_argument("--accumulate", type=int, default=2)
     p.add_argument("--epochs", type=int, default=2)
+    p.add_argument("--accelerator", default="cpu", help="cpu (default) or gpu")
+    p.add_argument("--devices", type=int, default=2, help="processes Lightning launches (one per GPU on gpu)")
     args = p.parse_args()
     pl.seed_everything(0)
-    trainer = pl.Trainer(accelerator="cpu", devices=2, strategy=args.strategy, max_epochs=args.epochs,
+    trainer = pl.Trainer(accelerator=args.accelerator, devices=args.devices, strategy=args.strategy, max_epochs=args.epochs,
                          accumulate_grad_batches=args.accumulate, gradient_clip_val=1.0, logger=False,
                          enable_checkpointing=False)
     model = Model(vocab_size=100)

@@ -33,8 +33,11 @@ class CudaStreams:
     @staticmethod
     def record_stream(tensor: torch.Tensor, stream: Any) -> None:
         """Tell the caching allocator that ``stream`` uses ``tensor``: its memory is not reused until
-        the work ``stream`` has queued when the tensor is freed has finished."""
-        tensor.record_stream(stream)
+        the work ``stream`` has queued when the tensor is freed has finished. Host tensors (Adafactor's
+        step counter, an ``lr`` tensor on the CPU) are not the device allocator's, and torch has no
+        ``record_stream`` for them: they are left alone."""
+        if tensor.is_cuda:
+            tensor.record_stream(stream)
 
 
 def stream_api(device: torch.device) -> Optional[Any]:

@@ -22,9 +22,15 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["CHUNK", "copy_ranges", "estimate_into", "supports", "temporaries_bound"]
+__all__ = ["CHUNK", "CUDA_CHUNK", "chunk_elements", "copy_ranges", "estimate_into", "supports", "temporaries_bound"]
 
-CHUNK = 1 << 20  # elements per piece of work: the temporaries are a few of these
+CHUNK = 1 << 20  # elements per piece of work on the CPU: the temporaries are a few of these
+CUDA_CHUNK = 1 << 22  # on a GPU: a foreach kernel over 2^20 elements is launch-bound (first GPU run, docs/gpu.md)
+
+
+def chunk_elements(master: torch.Tensor) -> int:
+    """Elements per batch of :func:`estimate_into`'s work for a master slice on ``master``'s device."""
+    return CUDA_CHUNK if master.is_cuda else CHUNK
 
 
 def supports(optimizer: torch.optim.Optimizer) -> bool:
@@ -48,7 +54,7 @@ def temporaries_bound(optimizer: torch.optim.Optimizer, master: torch.Tensor) ->
     a batch's lists, at most :data:`CHUNK` elements of the master's dtype each; Adam: the weight-decayed
     gradient, zeros before the first step, m, v, the denominator, decayed weights and the result; SGD four."""
     lists = 7 if type(optimizer) in (torch.optim.Adam, torch.optim.AdamW) else 4
-    return lists * min(CHUNK, master.numel()) * master.element_size()
+    return lists * min(chunk_elements(master), master.numel()) * master.element_size()
 
 
 @torch.no_grad()
@@ -93,10 +99,17 @@ def estimate_into(
             row = [out[start : start + p.numel()], p.reshape(-1), p.grad.reshape(-1), *moments]
             (with_state if len(moments) == len(keys) else without_state).append(row)
         for rows, stateful in ((with_state, True), (without_state, False)):
-            for batch in _batches(rows):
+            # Adam's bias corrections from a device-side step count (capturable, fused): once per group. Each
+            # is a few scalar kernels; per batch they were a third of a round's launches on the first GPU run.
+            # A host-side count gives plain numbers, computed per batch (reading the count there is also
+            # where the simulated device of tests/fake_cuda.py runs the queued batches and frees their
+            # temporaries, which the caching allocator would reuse on the stream at once).
+            once = _adam_scalars(step, group) if adam and stateful and _device_count(step, group) else None
+            for batch in _batches(rows, chunk_elements(master)):
                 columns = [list(c) for c in zip(*batch)]
                 if adam:
-                    _adam(*columns[:3], columns[3:] if stateful else None, step if stateful else None, group)
+                    scalars = once or _adam_scalars(step if stateful else None, group)
+                    _adam(*columns[:3], columns[3:] if stateful else None, scalars, group)
                 else:
                     _sgd(*columns[:3], columns[3] if stateful else None, group)
 
@@ -108,16 +121,16 @@ def copy_ranges(out: torch.Tensor, source: torch.Tensor, ranges: Sequence[Tuple[
         torch._foreach_copy_([out[a:b] for a, b in ranges], [source[a:b] for a, b in ranges])
 
 
-def _batches(rows: List[List[torch.Tensor]]):
-    """Rows of flat tensors (one per piece, all of one length) cut into segments of at most CHUNK elements and
-    gathered into batches of at most CHUNK elements, in order."""
+def _batches(rows: List[List[torch.Tensor]], chunk: int = CHUNK):
+    """Rows of flat tensors (one per piece, all of one length) cut into segments of at most ``chunk`` elements
+    and gathered into batches of at most ``chunk`` elements, in order."""
     batch: List[List[torch.Tensor]] = []
     filled = 0
     for row in rows:
         n = row[0].numel()
-        for lo in range(0, n, CHUNK):
-            hi = min(n, lo + CHUNK)
-            if batch and filled + hi - lo > CHUNK:
+        for lo in range(0, n, chunk):
+            hi = min(n, lo + chunk)
+            if batch and filled + hi - lo > chunk:
                 yield batch
                 batch, filled = [], 0
             batch.append([t[lo:hi] for t in row])
@@ -126,19 +139,31 @@ def _batches(rows: List[List[torch.Tensor]]):
         yield batch
 
 
-def _adam(outs: List[torch.Tensor], params: List[torch.Tensor], grads: List[torch.Tensor],
-          moments: Optional[List[List[torch.Tensor]]], step_t: Optional[torch.Tensor], g: Dict[str, Any]) -> None:
-    """torch.optim.Adam(W)'s step (the single-tensor arithmetic), into ``outs``; ``moments``: [exp_avg's,
-    exp_avg_sq's], or None before the first step."""
+def _device_count(step_t: Optional[torch.Tensor], g: Dict[str, Any]) -> bool:
+    """Whether Adam's step count lives on the device (``capturable`` or ``fused``), where it stays."""
+    return step_t is not None and bool(g.get("capturable") or g.get("fused"))
+
+
+def _adam_scalars(step_t: Optional[torch.Tensor], g: Dict[str, Any]) -> Tuple[Any, Any]:
+    """Adam's ``(sqrt(1 - beta2^t), lr / (1 - beta1^t))`` for the step that ``step_t`` (the state's count, or
+    None before the first step) is about to take: numbers, or device scalars for a device-side count."""
     beta1, beta2 = g["betas"]
-    lr, eps, wd = g["lr"], g["eps"], g["weight_decay"]
-    decoupled = g.get("decoupled_weight_decay", False)
-    if step_t is not None and (g.get("capturable") or g.get("fused")):  # the counter is on the device: stay there
+    if _device_count(step_t, g):  # the counter is on the device: stay there
         step = step_t.to(torch.float32) + 1
     else:  # a host-side counter (torch keeps it on the CPU), or none yet
         step = (float(step_t) if step_t is not None else 0.0) + 1.0
     bc2_sqrt = (1 - beta2**step) ** 0.5  # a number, or a device scalar: the same arithmetic either way
-    step_size = lr / (1 - beta1**step)
+    return bc2_sqrt, g["lr"] / (1 - beta1**step)
+
+
+def _adam(outs: List[torch.Tensor], params: List[torch.Tensor], grads: List[torch.Tensor],
+          moments: Optional[List[List[torch.Tensor]]], scalars: Tuple[Any, Any], g: Dict[str, Any]) -> None:
+    """torch.optim.Adam(W)'s step (the single-tensor arithmetic), into ``outs``; ``moments``: [exp_avg's,
+    exp_avg_sq's], or None before the first step; ``scalars``: :func:`_adam_scalars` of the group."""
+    beta1, beta2 = g["betas"]
+    lr, eps, wd = g["lr"], g["eps"], g["weight_decay"]
+    decoupled = g.get("decoupled_weight_decay", False)
+    bc2_sqrt, step_size = scalars
     if wd != 0 and not decoupled:
         grads = torch._foreach_add(grads, params, alpha=wd)
     if moments is None:  # zeros, as the state torch would create (0 * g keeps a NaN gradient's NaN, like torch)

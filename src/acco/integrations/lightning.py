@@ -123,6 +123,10 @@ class AccoStrategy(DDPStrategy):
     def _setup_model(self, model: torch.nn.Module) -> torch.nn.Module:
         return model  # no DistributedDataParallel: the optimizer communicates (and broadcasts at construction)
 
+    def _register_ddp_hooks(self) -> None:
+        """Nothing: DDP communication hooks attach to a DistributedDataParallel, and there is none (on CUDA,
+        DDPStrategy asserts there is one). The optimizer's rounds are the communication."""
+
     def setup(self, trainer: "pl.Trainer") -> None:
         self._check_trainer(trainer)
         super().setup(trainer)
