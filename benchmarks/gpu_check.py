@@ -41,6 +41,7 @@ never writes ``docs/gpu.md`` unless ``--out`` says so.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import socket
@@ -63,6 +64,7 @@ from acco import AccoOptimizer  # noqa: E402
 
 BEGIN, END = "<!-- gpu_check:begin -->", "<!-- gpu_check:end -->"
 WINDOW = "gpu_check.updates"  # the profiled updates' record_function range
+DEVICE_WORK = ("kernel", "gpu_memcpy", "gpu_memset")  # trace categories of work on a CUDA stream
 HOST_SYNCS = ("cudaDeviceSynchronize", "cudaStreamSynchronize", "cudaEventSynchronize")
 
 
@@ -129,7 +131,7 @@ def analyze_trace(events: Sequence[Dict[str, Any]], updates: int, window: str = 
         if e.get("ph") != "X":
             continue
         ts, end = float(e["ts"]), float(e["ts"]) + float(e.get("dur", 0))
-        if e.get("cat") == "kernel":
+        if e.get("cat") in DEVICE_WORK:
             stream = e.get("args", {}).get("stream")
             if "spin_kernel" in e.get("name", ""):
                 markers.append((ts, stream))
@@ -145,15 +147,16 @@ def analyze_trace(events: Sequence[Dict[str, Any]], updates: int, window: str = 
         if window is None or any(a <= ts <= b for a, b in spans):
             counted[name] = counted.get(name, 0) + 1
     busy = {s: sum(b - a for a, b in iv) for s, iv in kernels.items()}
-    out: Dict[str, Any] = {"kernel_us_per_stream": busy, "host_syncs_per_update": {k: v / updates for k, v in counted.items()}}
+    out: Dict[str, Any] = {"kernel_us_per_stream": busy, "host_syncs_per_update": {k: v / updates for k, v in counted.items()},
+                           "window_found": window is None or bool(spans)}
     if not kernels:
-        out["compute_stream"] = out["overlap"] = out["comm_overlap"] = None
+        out["compute_stream"] = out["overlap"] = out["comm_overlap"] = out["streams_from"] = None
         return out
     markers.sort()
     if len(markers) >= 2:
-        compute, sides = markers[0][1], [markers[1][1]]
+        compute, sides, out["streams_from"] = markers[0][1], [markers[1][1]], "markers"
     else:  # the stream with the most kernel time: forward and backward
-        compute = max(busy, key=busy.get)
+        compute, out["streams_from"] = max(busy, key=busy.get), "busiest stream"
         sides = [s for s in kernels if s != compute]
     out["compute_stream"] = compute
     merged = _merge(kernels.get(compute, []))
@@ -163,7 +166,8 @@ def analyze_trace(events: Sequence[Dict[str, Any]], updates: int, window: str = 
         covered = sum(_intersection(a, b, merged) for a, b in iv)
         overlap[s] = covered / busy[s] if busy.get(s) else None
     out["overlap"] = overlap  # per side stream: share of its kernel time with a compute kernel running
-    comm = [iv for s in sides for iv, name in zip(kernels.get(s, []), names.get(s, [])) if "nccl" in name.lower()]
+    # Collectives run on the process group's own streams (NCCL's), not necessarily the rounds' side stream.
+    comm = [iv for s in kernels if s != compute for iv, name in zip(kernels[s], names[s]) if "nccl" in name.lower()]
     comm_us = sum(b - a for a, b in comm)
     # The communication's share under compute: what ACCO hides. None where no collective ran a kernel.
     out["comm_overlap"] = sum(_intersection(a, b, merged) for a, b in comm) / comm_us if comm_us > 0 else None
@@ -221,6 +225,7 @@ def check_trace(width: int, layers: int, batch: int, device: str, dry: bool) -> 
         with open(path) as f:
             events = json.load(f)["traceEvents"]
     result = analyze_trace(events, updates, WINDOW)
+    result["world"] = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
     if dry and result["compute_stream"] is None:
         result["synthetic_trace_analysis"] = analyze_trace(SYNTHETIC_TRACE, 1)
     return result
@@ -288,11 +293,13 @@ def check_compile(width: int, layers: int, batch: int, device: str, dry: bool) -
 
 def check_memory(width: int, layers: int, batch: int, device: str) -> Dict[str, Any]:
     cuda = device.startswith("cuda")
+    gc.collect()  # earlier sections' optimizers and models, if a cycle still holds one
     if cuda:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    # What earlier sections left allocated (torch.compile's caches hold its model) is not this run's: the first
-    # GPU run counted it and reported 2.11x the table where benchmarks/gpu_memory.py measures 1.1x.
+    # What earlier sections left allocated is not this run's: the first GPU run counted it (the optimizers of
+    # sections 2-4, which a reference cycle kept, now gone) and reported 2.11x the table where
+    # benchmarks/gpu_memory.py measured 1.10x.
     base = torch.cuda.memory_allocated() if cuda else 0
     model = make_model(width, layers, device)
     opt = AccoOptimizer(model.parameters(), mode="acco", microbatches_per_update=4, lr=1e-4)
@@ -423,6 +430,12 @@ def verdict(results: Dict[str, Any], dry: bool) -> List[str]:
         failures.append(f"host-blocking CUDA calls in the profiled updates: {tr['host_syncs_per_update']}")
     if tr["compute_stream"] is None:
         failures.append("no kernels traced")
+    elif tr.get("streams_from") != "markers":
+        failures.append("the trace's marker kernels were not found: the compute and side streams are unknown")
+    if not tr.get("window_found", True):
+        failures.append(f"the trace has no {WINDOW!r} range: host-blocking calls were not counted")
+    if tr.get("world", 1) > 1 and tr.get("comm_overlap") is None:
+        failures.append("no collective kernels traced on more than one rank")
     # The communication must run under compute. The side stream's other kernels (the optimizer's) compete
     # with compute for the SMs: their share is reported, not judged.
     if tr.get("comm_overlap") is not None and tr["comm_overlap"] < 0.5:

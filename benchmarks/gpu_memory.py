@@ -8,6 +8,7 @@ after 3 updates, synchronised; "peak": the most allocated during 2 more. Both ab
 the model was built.
 """
 import argparse
+import gc
 import os
 import sys
 
@@ -34,6 +35,7 @@ def main() -> None:
     print(f"params {size / 2**20:.1f} MiB; figures below in parameter copies"
           + ("" if cuda else " (dry run: memory not measured, memory_report only)"))
     for name in CONFIGS:
+        gc.collect()  # the previous configuration's optimizer and model
         if cuda:
             torch.cuda.empty_cache()
         base = torch.cuda.memory_allocated() if cuda else 0

@@ -274,6 +274,11 @@ def test_trace_analysis_takes_the_streams_from_markers_and_syncs_from_the_window
     assert r["host_syncs_per_update"] == {"cudaEventSynchronize": 1.0}
     unmarked = gpu_check.analyze_trace([e for e in events if "spin" not in e.get("name", "")], updates=1)
     assert unmarked["compute_stream"] == 14 and len(unmarked["host_syncs_per_update"]) == 2  # the old reading
+    assert unmarked["streams_from"] == "busiest stream" and r["streams_from"] == "markers"
+    assert not gpu_check.analyze_trace(events, updates=1, window="renamed")["window_found"]
+    nccl_elsewhere = events + [{"ph": "X", "cat": "kernel", "name": "ncclDevKernel_AllGather", "ts": 10, "dur": 10,
+                                "args": {"stream": 30}}]  # the process group's own stream, fully under compute
+    assert gpu_check.analyze_trace(nccl_elsewhere, updates=1, window=gpu_check.WINDOW)["comm_overlap"] == 20 / 30
 
 
 def test_gpu_check_verdict_fails_on_what_a_gpu_must_not_show():
@@ -283,15 +288,21 @@ def test_gpu_check_verdict_fails_on_what_a_gpu_must_not_show():
 
     good = {"tests": {"exit": 0, "summary": "19 passed"}, "errors": {"same_step": True, "raised_at": [4, 4]},
             "syncs": {"sync_warnings_per_update": 0.0, "examples": [], "host_waits_per_update": 0.5},
-            "trace": {"host_syncs_per_update": {"cudaEventSynchronize": 0.5}, "compute_stream": 7, "overlap": {13: 0.9}}}
+            "trace": {"host_syncs_per_update": {"cudaEventSynchronize": 0.5}, "compute_stream": 7, "overlap": {13: 0.9},
+                      "streams_from": "markers"}}
     assert gpu_check.verdict(good, dry=False) == []
     bad = {"tests": {"exit": 1, "summary": "1 failed"}, "errors": {"same_step": False, "raised_at": [4, 5]},
            "syncs": {"sync_warnings_per_update": 2.0, "examples": ["x"], "host_waits_per_update": 0.0},
            "trace": {"host_syncs_per_update": {"cudaStreamSynchronize": 1.0}, "compute_stream": 7, "overlap": {13: 0.1},
-                     "comm_overlap": 0.1}}
+                     "comm_overlap": 0.1, "streams_from": "markers"}}
     failures = gpu_check.verdict(bad, dry=False)
     assert len(failures) == 5, failures
     assert len(gpu_check.verdict(bad, dry=True)) == 2  # a dry run: the CUDA tests' exit and the error step
+    for trace, text in (({"streams_from": "busiest stream"}, "marker kernels were not found"),
+                        ({"window_found": False}, "host-blocking calls were not counted"),
+                        ({"world": 2, "comm_overlap": None}, "no collective kernels traced")):
+        assert [f for f in gpu_check.verdict(dict(good, trace={**good["trace"], **trace}), dry=False)
+                if text in f], trace  # a trace that cannot be read fails, rather than passing vacuously
     raised = dict(good, memory={"error": "RuntimeError: x", "traceback": []})
     assert gpu_check.verdict(raised, dry=True) == ["section memory raised RuntimeError: x"]
     err = raised["memory"]

@@ -51,7 +51,7 @@ def supports(optimizer: torch.optim.Optimizer) -> bool:
 
 def temporaries_bound(optimizer: torch.optim.Optimizer, master: torch.Tensor) -> int:
     """Bytes :func:`estimate_into` allocates at most at once (on CUDA: on the side stream, until it has run):
-    a batch's lists, at most :data:`CHUNK` elements of the master's dtype each; Adam: the weight-decayed
+    a batch's lists, at most :func:`chunk_elements` elements of the master's dtype each; Adam: the weight-decayed
     gradient, zeros before the first step, m, v, the denominator, decayed weights and the result; SGD four."""
     lists = 7 if type(optimizer) in (torch.optim.Adam, torch.optim.AdamW) else 4
     return lists * min(chunk_elements(master), master.numel()) * master.element_size()
@@ -74,7 +74,7 @@ def estimate_into(
     :func:`supports`.
 
     The arithmetic runs as ``torch._foreach_*`` ops over batches of at most
-    :data:`CHUNK` elements (a batch holds many small pieces, a large piece
+    :func:`chunk_elements` elements (a batch holds many small pieces, a large piece
     spans several batches), so the ops issued per round grow with the number
     of batches, not of tensors.
     """
@@ -108,7 +108,7 @@ def estimate_into(
             for batch in _batches(rows, chunk_elements(master)):
                 columns = [list(c) for c in zip(*batch)]
                 if adam:
-                    scalars = once or _adam_scalars(step if stateful else None, group)
+                    scalars = once if once is not None else _adam_scalars(step if stateful else None, group)
                     _adam(*columns[:3], columns[3:] if stateful else None, scalars, group)
                 else:
                     _sgd(*columns[:3], columns[3] if stateful else None, group)

@@ -18,7 +18,7 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
-__all__ = ["close_at_exit", "install", "refuse_reentrant_backward"]
+__all__ = ["close_at_exit", "install", "refuse_reentrant_backward", "weakly"]
 
 _AT_EXIT: Dict[int, "weakref.WeakMethod"] = {}  # what closes each live optimizer, held weakly
 
@@ -30,6 +30,21 @@ def close_at_exit(key: int, closer: Optional[Callable[[], None]]) -> None:
         _AT_EXIT.pop(key, None)
     else:
         _AT_EXIT[key] = weakref.WeakMethod(closer)
+
+
+def weakly(method: Callable[..., Any]) -> Callable[..., Any]:
+    """``method`` (bound to the optimizer) held weakly, for the optimizer's own parts (its loop, its state's
+    owners): a strong reference back would make a cycle, and a dropped optimizer's buffers would stay allocated
+    until a garbage collection (device memory, on a GPU). Calling it once the optimizer is gone raises."""
+    ref, name = weakref.WeakMethod(method), method.__qualname__  # the name, not the method: no strong reference
+
+    def call(*args: Any, **kwargs: Any) -> Any:
+        bound = ref()
+        if bound is None:
+            raise ReferenceError(f"{name}: its AccoOptimizer was dropped")
+        return bound(*args, **kwargs)
+
+    return call
 
 
 def install(params: Sequence[torch.Tensor], accumulated: Callable[[int], None],

@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 import torch
 import torch.distributed as dist
@@ -301,18 +301,18 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         self._owners = StateOwners(
             layout=self.layout, rank=self.rank, world_size=self.world_size, flat=self._flat, wrapped=self._wrapped,
             progress=self._progress, driver=self._driver, scheduler=self.scheduler, param_groups=self.param_groups,
-            describe=self._describe(), gather_row=self._all_gather_row,
-            view=lambda: (self._in_committed_view, self._view_swapped), hyperparams=self._hyperparams,
-            collective_group=lambda: self._driver.ctx.group if self._driver.ctx.group is not None else self._group,
+            describe=self._describe(), gather_row=hooks.weakly(self._all_gather_row),
+            view=hooks.weakly(self._view_state), hyperparams=hooks.weakly(self._hyperparams),
+            collective_group=hooks.weakly(self._collective_group),
             process_group=self._group, estimate_microbatches=estimate_microbatches,
         )
         loop = LoopContext(
             mode=mode, world_size=self.world_size, synchronous_updates=synchronous_updates,
             estimate_microbatches=estimate_microbatches,
             min_microbatches=min_microbatches, max_microbatches=max_microbatches, progress=self._progress,
-            driver=self._driver, flat=self._flat, round_done=self.scheduler.done, check_open=self._check_open,
-            hyperparams=self._hyperparams, clip_hint=self._clip_hint, gather_row=self._all_gather_row,
-            after_handoff=self._after_handoff,
+            driver=self._driver, flat=self._flat, round_done=self.scheduler.done, check_open=hooks.weakly(self._check_open),
+            hyperparams=hooks.weakly(self._hyperparams), clip_hint=hooks.weakly(self._clip_hint),
+            gather_row=hooks.weakly(self._all_gather_row), after_handoff=hooks.weakly(self._after_handoff),
         )
         self._loop = ElasticLoop(loop) if self.accumulate_while_communicating else UpdateLoop(loop)
         self._constructed = True  # add_param_group() from here on would change the layout: refused
@@ -595,6 +595,14 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         self._progress.holds_estimate = False
         self._progress.start_window()
         self._remove_hooks()
+
+    def _view_state(self) -> Tuple[bool, bool]:
+        """(inside committed_weights(), the view swapped the model's weights): what a checkpoint must know."""
+        return self._in_committed_view, self._view_swapped
+
+    def _collective_group(self) -> Optional[dist.ProcessGroup]:
+        """The group a checkpoint's collectives use: the rounds' own, else the optimizer's."""
+        return self._driver.ctx.group if self._driver.ctx.group is not None else self._group
 
     def _remove_hooks(self) -> None:
         """A finished optimizer no longer reacts to backward (a new one may own the parameters)."""
