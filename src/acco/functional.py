@@ -121,7 +121,7 @@ def copy_ranges(out: torch.Tensor, source: torch.Tensor, ranges: Sequence[Tuple[
         torch._foreach_copy_([out[a:b] for a, b in ranges], [source[a:b] for a, b in ranges])
 
 
-def _batches(rows: List[List[torch.Tensor]], chunk: int = CHUNK):
+def _batches(rows: List[List[torch.Tensor]], chunk: int):
     """Rows of flat tensors (one per piece, all of one length) cut into segments of at most ``chunk`` elements
     and gathered into batches of at most ``chunk`` elements, in order."""
     batch: List[List[torch.Tensor]] = []
