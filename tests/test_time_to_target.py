@@ -241,3 +241,55 @@ def test_a_trunk_run_again_for_a_branch_is_recorded(tmp_path, monkeypatch):
     branch = ttt.run_branch(args, {"kind": "branch", "line": line, "T": 12, "floor": 0.0}, tmp_path)
     assert [json.loads(x) for x in records.read_text().splitlines()] == [{"kind": "trunk", "method": "acco", "T": 14}]
     assert (branch["kind"], branch["T"], branch["start"], len(launched)) == ("branch", 12, 10, 1)
+
+
+def test_the_screened_estimates_change_the_estimate_as_documented(monkeypatch):
+    """instrument.py's study-only candidates (--estimate-blend, --estimate-extrapolate) change what the library's
+    Opt* writes, by the formulas of its docstring, and leave it alone at 1.0: checked on AdamW's state after two
+    real steps, against torch's own step on a copy."""
+    import copy
+
+    import torch
+
+    from acco import functional
+
+    monkeypatch.syspath_prepend(os.path.join(HERE, "..", "examples", "nanogpt"))
+    import instrument
+
+    torch.manual_seed(0)
+    master = torch.randn(64)
+    p = torch.nn.Parameter(master[:40].view(5, 8))
+    q = torch.nn.Parameter(master[40:])
+    opt = torch.optim.AdamW([p, q], lr=1e-2, weight_decay=0.1)
+    for _ in range(2):
+        for t in (p, q):
+            t.grad = torch.randn_like(t)
+        opt.step()
+    g = torch.randn(64)
+    p.grad, q.grad = g[:40].view(5, 8), g[40:]
+    m = torch.cat([opt.state[t]["exp_avg"].reshape(-1) for t in (p, q)])
+
+    def torch_step(grad):  # torch's AdamW step on a copy, from the same state, with this gradient
+        twin = copy.deepcopy(opt)
+        (tp, tq) = twin.param_groups[0]["params"]
+        tp.grad, tq.grad = grad[:40].view(5, 8).clone(), grad[40:].clone()
+        twin.step()
+        return torch.cat([tp.detach().reshape(-1), tq.detach().reshape(-1)])
+
+    def estimate(blend, extrapolate):
+        monkeypatch.setattr(functional, "_adam", plain)  # undone after the test, like the screen itself
+        if (blend, extrapolate) != (1.0, 1.0):
+            instrument.screen_estimate(blend, extrapolate)
+        out = torch.empty(64)
+        functional.estimate_into(out, opt, [p, q], master)
+        return out
+
+    plain = functional._adam
+    theta = master.clone()
+    exact = torch_step(g)
+    torch.testing.assert_close(estimate(1.0, 1.0), exact)
+    torch.testing.assert_close(estimate(0.5, 1.0), torch_step(0.5 * g + 0.5 * m))
+    torch.testing.assert_close(estimate(0.0, 1.0), torch_step(m))  # the momentum-only prediction
+    torch.testing.assert_close(estimate(1.0, 1.2), theta + 1.2 * (exact - theta))
+    assert not torch.allclose(estimate(0.5, 1.0), exact)
+    torch.testing.assert_close(master, theta)  # Opt* wrote nothing else

@@ -11,6 +11,14 @@
   (what the model holds, in mode acco the estimate, against the committed
   update) and ``|theta_{t+1} - theta_t|`` to ``OUT_DIR/estimate_gap.json``.
   It waits for every commit: a diagnostic, not for timing.
+* ``--estimate-blend=W`` and ``--estimate-extrapolate=C``: candidate remedies
+  screened by the time-to-target study (``docs/convergence.md``), not library
+  options. They change the arithmetic of the estimate round's Adam step
+  (``acco.functional._adam``, which computes ``Opt*`` only), never the commit:
+  the blend takes the estimate's gradient as ``W * g + (1 - W) * m`` (``m`` the
+  first moment before the step: ``W = 0`` is the momentum-only prediction);
+  the extrapolation takes ``theta~ = theta + C * (Opt*(theta, g) - theta)``.
+  Adam and AdamW only, on the path without a snapshot (fp32 master on the CPU).
 
 Both act through a subclass of ``AccoOptimizer`` put in place of the library's
 before the script imports it; a script without ``AccoOptimizer`` (``train_ddp.py``)
@@ -60,12 +68,36 @@ def instrument(options: dict, estimate_gap: bool, out_dir: str) -> None:
         atexit.register(lambda: open(os.path.join(out_dir, "estimate_gap.json"), "w").write(json.dumps(rows)))
 
 
+def screen_estimate(blend: float, extrapolate: float) -> None:
+    """Put the study's candidate estimates in place of the library's Adam ``Opt*`` arithmetic (see the module's
+    docstring); both ranks run this before the script starts, so their rounds agree."""
+    from acco import functional  # noqa: PLC0415
+
+    original = functional._adam
+
+    def _adam(outs, params, grads, moments, scalars, g):
+        if blend != 1.0 and moments is not None:  # before the first step there is no momentum to blend in
+            grads = torch._foreach_add(torch._foreach_mul(grads, blend), moments[0], alpha=1.0 - blend)
+        original(outs, params, grads, moments, scalars, g)  # outs = Opt*(theta, grads)
+        if extrapolate != 1.0:
+            step = torch._foreach_sub(outs, params)
+            torch._foreach_mul_(step, extrapolate)
+            torch._foreach_copy_(outs, torch._foreach_add(params, step))
+
+    functional._adam = _adam
+
+
 def main(argv: list) -> None:
     options, estimate_gap = {}, False
+    blend, extrapolate = 1.0, 1.0
     while argv and argv[0].startswith("--"):
         flag = argv.pop(0)
         if flag == "--estimate-gap":
             estimate_gap = True
+        elif flag.startswith("--estimate-blend="):
+            blend = float(flag.split("=", 1)[1])
+        elif flag.startswith("--estimate-extrapolate="):
+            extrapolate = float(flag.split("=", 1)[1])
         elif flag.startswith("--acco-option="):
             key, value = flag.split("=", 1)[1].split("=", 1)
             options[key] = (None if value == "None" else getattr(torch, value)
@@ -77,6 +109,8 @@ def main(argv: list) -> None:
     script = argv[0]
     out_dir = next((a.split("=", 1)[1] for a in argv[1:] if a.startswith("--out_dir=")), ".")
     instrument(options, estimate_gap, out_dir)
+    if (blend, extrapolate) != (1.0, 1.0):
+        screen_estimate(blend, extrapolate)
     sys.argv = argv
     runpy.run_path(script, run_name="__main__")
 

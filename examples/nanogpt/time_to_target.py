@@ -55,6 +55,11 @@ METHODS: Dict[str, Tuple[str, List[str], List[str]]] = {
     # hides behind 3 micro-batches, the bf16 estimate (half the commit's bytes) behind 1
     "acco-bf16-h3": ("train_acco.py", [], ["--acco-option=estimate_dtype=bfloat16",
                                            "--acco-option=estimate_microbatches=3"]),
+    # candidate remedies screened at one seed (instrument.py; not library options): the estimate's gradient
+    # blended half and half with the momentum, and the estimate's step extrapolated by 1.2
+    "acco-bf16-blend50": ("train_acco.py", [], ["--acco-option=estimate_dtype=bfloat16", "--estimate-blend=0.5"]),
+    "acco-bf16-extrap120": ("train_acco.py", [], ["--acco-option=estimate_dtype=bfloat16",
+                                                  "--estimate-extrapolate=1.2"]),
 }
 RATIOS = (11 / 12, 1.0, 13 / 12, 14 / 12)  # the branch lengths searched, as multiples of DDP's length
 GOAL_TIME = 0.75  # issue #28's goal: DDP's target in at most 0.75x DDP's wall-clock (and 1.03x its updates)
@@ -275,7 +280,9 @@ def run_missing(args: argparse.Namespace) -> None:
 
 
 LABELS = {"ddp": "DDP + AdamW", "acco": "ACCO", "acco-bf16": "ACCO, bf16 estimate",
-          "acco-bf16-h3": "ACCO, bf16 estimate after 3 of 4"}
+          "acco-bf16-h3": "ACCO, bf16 estimate after 3 of 4",
+          "acco-bf16-blend50": "ACCO, bf16 estimate blended with the momentum (0.5; screen)",
+          "acco-bf16-extrap120": "ACCO, bf16 estimate's step x1.2 (screen)"}
 
 
 def bounded(result: dict) -> Tuple[float, str]:
@@ -497,7 +504,8 @@ def plot(records: List[dict], args: argparse.Namespace, path: Path) -> None:
     config = config_of(args)
     rs = [r for r in records if r["config"] == config and r["warmup"] == args.warmups[0] and float(r["lr"]) == args.lr]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4))
-    colors = {"ddp": "black", "acco": "tab:blue", "acco-bf16": "tab:orange", "acco-bf16-h3": "tab:green"}
+    colors = {"ddp": "black", "acco": "tab:blue", "acco-bf16": "tab:orange", "acco-bf16-h3": "tab:green",
+              "acco-bf16-blend50": "tab:red", "acco-bf16-extrap120": "tab:purple"}
     for m in METHODS:
         ends: Dict[int, List[float]] = {}
         for r in rs:

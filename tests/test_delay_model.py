@@ -1,0 +1,68 @@
+"""examples/nanogpt/delay_model.py: its matrices against the algorithm simulated step by step, and sync's edge
+against its closed form (the model ranks candidate estimates in docs/convergence.md)."""
+
+from __future__ import annotations
+
+import math
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "examples", "nanogpt"))
+import delay_model as dm  # noqa: E402
+
+sys.path.pop(0)
+
+
+def simulated_floor(a, f, blend=1.0, extrapolate=1.0, beta1=dm.BETA1, chains=256, steps=3000, burn=500, seed=0):
+    """The variance of theta, from the scalar algorithm run as written (docs/algorithm.md's order: the estimate
+    from theta_t and m_t, the commit from both parts' gradients), over independent chains."""
+    g = torch.Generator().manual_seed(seed)
+    k = 1.0 - beta1
+    theta, m, est = (torch.zeros(chains, dtype=torch.float64) for _ in range(3))
+    seen = []
+    for t in range(steps):
+        xi2 = torch.randn(chains, generator=g, dtype=torch.float64) / math.sqrt(1.0 - f)
+        if f > 0:
+            xi1 = torch.randn(chains, generator=g, dtype=torch.float64) / math.sqrt(f)
+            g1 = est + xi1  # the first part, at the estimate, extrapolated to the update
+            m_est = m + blend * k * (g1 - m)
+            new_est = theta - extrapolate * a * m_est
+            grad = f * g1 + (1.0 - f) * (theta + xi2)
+        else:
+            new_est, grad = theta, theta + xi2
+        m = beta1 * m + k * grad
+        theta = theta - a * m
+        est = new_est
+        if t >= burn:
+            seen.append(theta)
+    return float(torch.stack(seen).pow(2).mean())
+
+
+@pytest.mark.parametrize("a, f, blend, extrapolate", [
+    (5.0, 0.0, 1.0, 1.0),    # sync
+    (5.0, 0.5, 1.0, 1.0),    # acco
+    (10.0, 0.75, 1.0, 1.0),  # a later hand-off
+    (2.0, 0.5, 0.5, 1.0),    # the momentum blend
+    (5.0, 0.5, 1.0, 1.2),    # the extrapolated estimate
+])
+def test_the_noise_floor_is_the_simulated_algorithms(a, f, blend, extrapolate):
+    model = dm.noise_floor(a, f, blend=blend, extrapolate=extrapolate)
+    assert simulated_floor(a, f, blend, extrapolate) == pytest.approx(model, rel=0.05)
+
+
+def test_sync_edge_is_heavy_balls_and_the_estimate_moves_it():
+    beta1 = dm.BETA1
+    assert dm.edge(0.0) == pytest.approx(2 * (1 + beta1) / (1 - beta1), rel=1e-6)
+    assert dm.edge(0.5) == pytest.approx(20.0, abs=0.05)  # docs/algorithm.md's figures
+    assert dm.edge(0.25) == pytest.approx(13.3, abs=0.05)
+    assert dm.edge(0.75) == pytest.approx(38.0, abs=0.05)
+    a = dm.edge(0.5, blend=0.5)
+    assert dm.noise_floor(a * 0.99, 0.5, blend=0.5) < math.inf == dm.noise_floor(a * 1.01, 0.5, blend=0.5)
+
+
+def test_a_bad_share_is_refused():
+    with pytest.raises(ValueError, match="share of an update's micro-batches"):
+        dm.matrices(1.0, 1.0)
