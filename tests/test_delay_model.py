@@ -16,6 +16,36 @@ import delay_model as dm  # noqa: E402
 sys.path.pop(0)
 
 
+def one_step(s, xi, a, f, blend=1.0, extrapolate=1.0, beta1=dm.BETA1):
+    """One update of the scalar algorithm from state ``s = (theta, m, theta~)`` with the parts' mean noises
+    ``xi``: the estimate from theta_t and m_t and the first part at theta~, the commit from both parts."""
+    theta, m, est = s
+    k = 1.0 - beta1
+    g1, g2 = est + xi[0], theta + xi[1]
+    new_est = theta - extrapolate * a * (m + blend * k * (g1 - m))
+    m = beta1 * m + k * (f * g1 + (1.0 - f) * g2)
+    return (theta - a * m, m, new_est)
+
+
+@pytest.mark.parametrize("f, blend, extrapolate", [(0.5, 1.0, 1.0), (0.25, 1.0, 1.0), (0.75, 0.3, 1.0),
+                                                   (0.5, 1.0, 1.4), (0.75, 0.6, 1.2)])
+def test_one_update_is_the_matrices(f, blend, extrapolate):
+    """The matrices are the algorithm's update exactly, for any state and noise (not only on average)."""
+    g = torch.Generator().manual_seed(1)
+    for a in (0.3, 4.0, 17.0):
+        A, B, _ = dm.matrices(a, f, blend=blend, extrapolate=extrapolate)
+        for _ in range(5):
+            s = torch.randn(3, generator=g, dtype=torch.float64)
+            xi = torch.randn(2, generator=g, dtype=torch.float64)
+            want = torch.tensor(one_step(tuple(s.tolist()), tuple(xi.tolist()), a, f, blend, extrapolate),
+                                dtype=torch.float64)
+            torch.testing.assert_close(A @ s + B @ xi, want, rtol=0, atol=1e-12)
+    A, B, _ = dm.matrices(2.0, 0.0)  # sync: (theta, m) only, the noise of the whole update
+    s, xi = torch.tensor([0.7, -0.2], dtype=torch.float64), torch.tensor([0.0, 0.4], dtype=torch.float64)
+    theta, m, _ = one_step((0.7, -0.2, 123.0), (0.0, 0.4), 2.0, 0.0)  # theta~ carries no weight at f = 0
+    torch.testing.assert_close(A @ s + B @ xi, torch.tensor([theta, m], dtype=torch.float64), rtol=0, atol=1e-12)
+
+
 def simulated_floor(a, f, blend=1.0, extrapolate=1.0, beta1=dm.BETA1, chains=256, steps=3000, burn=500, seed=0):
     """The variance of theta, from the scalar algorithm run as written (docs/algorithm.md's order: the estimate
     from theta_t and m_t, the commit from both parts' gradients), over independent chains."""

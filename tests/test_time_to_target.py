@@ -52,8 +52,10 @@ def expected_ratio(branches: dict, target: float, t_ddp: int):
 
 
 def _row(doc: str, method: str, t: int) -> list:
-    line = next(x for x in doc.splitlines() if x.startswith(f"| {method} | 2 | {t} | 0 | s0"))
-    return [c.strip() for c in line.strip("|").split("|")]
+    """The updates-to-target row of ``method`` at the LR 0.002 (its LR cell left out: method, warm-up, T, ...)."""
+    line = next(x for x in doc.splitlines() if x.startswith(f"| {method} | 0.002 | 2 | {t} | 0 | s0"))
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    return cells[:1] + cells[2:]
 
 
 def _speed(path, ddp_tps, acco_tps):
@@ -87,7 +89,7 @@ def test_smoke_runs_the_search_and_reports_what_its_records_hold(tmp_path):
         assert set(acco) in ({11, 12}, {12, 13, 14}), acco
     else:
         assert row[4] == f"s0 {ratio:.3f}" and row[5] == f"{ratio:.3f} (1 seed)", row
-        composed = next(x for x in text.splitlines() if x.startswith("| ACCO | 2 | 12 | 0 | 0.800 [0.750–0.909]"))
+        composed = next(x for x in text.splitlines() if x.startswith("| ACCO | 0.002 | 2 | 12 | 0 | 0.800 [0.750–0.909]"))
         assert f"s0 {ratio * 0.8:.3f}" in composed, composed
     assert f"{(acco[12] - ddp['final_val_loss']) / ddp['final_val_loss']:+.2%}" == row[7]
 
@@ -224,7 +226,7 @@ def test_the_report_says_what_the_time_goal_asks_of_each_side(tmp_path, losses, 
              "acco": {"time_per_update": 0.85, "min": 0.8, "max": 0.9, "repeats": 3, "rate_mbit": 67.0}}
     text = ttt.report_markdown(ttt.summarize(rs, args), args, speed)
     assert "| 0.75x asks: time per update | 0.75x asks: updates ratio |" in text
-    row = next(x for x in text.splitlines() if x.startswith("| ACCO | 2 | 12 | 0 | 0.850 [0.800–0.900]"))
+    row = next(x for x in text.splitlines() if x.startswith("| ACCO | 0.002 | 2 | 12 | 0 | 0.850 [0.800–0.900]"))
     assert [c.strip() for c in row.strip("|").split("|")][-2:] == [asks_time, "0.882"], row
 
 
@@ -293,3 +295,32 @@ def test_the_screened_estimates_change_the_estimate_as_documented(monkeypatch):
     torch.testing.assert_close(estimate(1.0, 1.2), theta + 1.2 * (exact - theta))
     assert not torch.allclose(estimate(0.5, 1.0), exact)
     torch.testing.assert_close(master, theta)  # Opt* wrote nothing else
+    # the study's path (fp32 master, no staging slice): Opt* is written over the gradients it reads
+    monkeypatch.setattr(functional, "_adam", plain)
+    instrument.screen_estimate(0.5, 1.2)
+    memory = g.clone()
+    p.grad, q.grad = memory[:40].view(5, 8), memory[40:]
+    functional.estimate_into(memory, opt, [p, q], master)
+    torch.testing.assert_close(memory, theta + 1.2 * (torch_step(0.5 * g + 0.5 * m) - theta))
+
+
+def test_other_lrs_run_every_method_and_each_is_judged_against_ddp_at_its_lr(tmp_path):
+    """--acco-lrs: DDP and every ACCO method get lines at each LR after the main LR's, and the report gives a row
+    per LR whose ratio is against DDP's loss at that LR (DDP's best LR moved with the warm-up, docs/convergence.md)."""
+    ttt = _tool()
+    args = ttt.parse([*TINY, "--acco-lrs", "0.004", "--records", str(tmp_path / "r.jsonl"), "--doc",
+                      str(tmp_path / "d.md"), "--speed", str(tmp_path / "none.jsonl")])
+    plan = [(x["method"], x["lr"]) for x in ttt.lines(args) if x["warmup"] == 2]
+    assert plan == [("ddp", 2e-3), ("acco", 2e-3), ("ddp", 4e-3), ("acco", 4e-3)], plan
+    base = {"warmup": 2, "seed": 0, "config": ttt.config_of(args), "floor": 0.0, "val": [], "train_loss": [],
+            "wall_s": 1.0, "kind": "branch"}
+    rs = [dict(base, lr=2e-3, method="ddp", T=12, start=10, final_val_loss=2.0),
+          dict(base, lr=4e-3, method="ddp", T=12, start=10, final_val_loss=1.8)]
+    for lr, losses in ((2e-3, {12: 2.1, 13: 1.9}), (4e-3, {12: 1.9, 13: 1.7})):
+        rs += [dict(base, lr=lr, method="acco", T=t, start=round(0.8 * t), final_val_loss=v) for t, v in losses.items()]
+    text = ttt.report_markdown(ttt.summarize(rs, args), args, {})
+    assert "| 2 | 12 | 0 | 2.0000 [2.0000–2.0000] (1) | 1.8000 [1.8000–1.8000] (1) |" in text
+    rows = {x.split("|")[2].strip(): [c.strip() for c in x.strip("|").split("|")]
+            for x in text.splitlines() if x.startswith("| ACCO | ")}
+    assert rows["0.002"][5] == "s0 1.042" and rows["0.004"][5] == "s0 1.042", rows  # 12.5 / 12 at each LR
+    assert rows["0.002"][8] == "+5.00%" and rows["0.004"][8] == "+5.56%", rows  # 2.1 / 2.0, 1.9 / 1.8

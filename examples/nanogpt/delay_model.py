@@ -23,14 +23,18 @@ noise ``xi = (xi_1, xi_2)``: ``s' = A s + B xi``.
 * the commit: ``m' = beta1 m + (1 - beta1) (f g_1 + (1 - f) g_2)``,
   ``theta' = theta - a m'``, with ``g_2 = theta + xi_2``.
 
-The model gives two numbers for a setting: the **edge**, the largest ``a``
-whose spectral radius stays below 1 (sync: ``2 (1 + beta1) / (1 - beta1)``),
-and the **noise floor**, the stationary variance of ``theta`` (so of the loss
-above the minimum), from the discrete Lyapunov equation ``S = A S A^T + B Q
-B^T``, as a multiple of sync's at the same ``a``. It knows nothing of
-Adam's changing preconditioner, of curvature that changes under the step, or
-of the bf16 rounding of the estimate: it ranks candidates before any CPU-hour
-is spent on them; the time-to-target study judges them.
+The model gives three numbers for a setting: the **edge**, the largest ``a``
+whose spectral radius stays below 1 (sync: ``2 (1 + beta1) / (1 - beta1)``);
+the **rate**, the spectral radius at a given ``a`` (how fast the noiseless
+error shrinks per update); and the **noise floor**, the stationary variance
+of ``theta`` (so of the loss above the minimum), from the discrete Lyapunov
+equation ``S = A S A^T + B Q B^T``, as a multiple of sync's at the same
+``a``. A floor below sync's is no gain by itself if the rate is slower (a
+smaller step lowers both). The model knows nothing of Adam's changing
+preconditioner, of curvature that changes under the step, of when in a run
+the noise matters, or of the bf16 rounding of the estimate: it compares
+candidates before any CPU-hour is spent on them; the time-to-target study
+judges them.
 """
 
 from __future__ import annotations
@@ -76,10 +80,10 @@ def spectral_radius(A: torch.Tensor) -> float:
 
 def edge(f: float, beta1: float = BETA1, blend: float = 1.0, extrapolate: float = 1.0,
          top: float = 200.0, steps: int = 4000) -> float:
-    """The largest stable ``a``: the first unstable point of a grid up to ``top``, refined by bisection
-    (``top`` if none is unstable)."""
+    """The largest stable ``a``, as the first unstable point of a grid of ``steps`` points up to ``top``,
+    refined by bisection (``top`` if none is unstable; an unstable window narrower than the grid is missed)."""
     def stable(a: float) -> bool:
-        return spectral_radius(matrices(a, f, beta1, blend, extrapolate)[0]) < 1.0 - 1e-12
+        return spectral_radius(matrices(a, f, beta1, blend, extrapolate)[0]) < 1.0
 
     lo = 0.0
     for i in range(1, steps + 1):
@@ -120,16 +124,19 @@ CANDIDATES = (  # (label, f, blend, extrapolate)
 )
 
 
-def table(points=(1.0, 2.0, 5.0, 10.0, 15.0)) -> str:
-    """Markdown: each candidate's edge, and its noise floor over sync's at each ``a``."""
-    head = "| setting | edge (largest stable a) | " + " | ".join(f"noise floor / sync's, a = {a:g}" for a in points)
-    lines = [head + " |", "|---" * (2 + len(points)) + "|"]
+def table(points=(1.0, 2.0, 5.0, 10.0, 15.0), rate_at: float = 0.1) -> str:
+    """Markdown: each candidate's edge, its rate at ``rate_at`` (a flat direction: where most of the progress
+    is made), and its noise floor over sync's at each of ``points``."""
+    head = (f"| setting | edge (largest stable a) | rate at a = {rate_at:g} | "
+            + " | ".join(f"noise floor / sync's, a = {a:g}" for a in points))
+    lines = [head + " |", "|---" * (3 + len(points)) + "|"]
     for label, f, w, c in CANDIDATES:
         cells = []
         for a in points:
             floor = noise_floor(a, f, blend=w, extrapolate=c)
             cells.append("unstable" if math.isinf(floor) else f"{floor / noise_floor(a, 0.0):.3f}")
-        lines.append(f"| {label} | {edge(f, blend=w, extrapolate=c):.1f} | " + " | ".join(cells) + " |")
+        rate = spectral_radius(matrices(rate_at, f, blend=w, extrapolate=c)[0])
+        lines.append(f"| {label} | {edge(f, blend=w, extrapolate=c):.1f} | {rate:.4f} | " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 

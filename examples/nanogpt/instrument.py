@@ -18,7 +18,8 @@
   the blend takes the estimate's gradient as ``W * g + (1 - W) * m`` (``m`` the
   first moment before the step: ``W = 0`` is the momentum-only prediction);
   the extrapolation takes ``theta~ = theta + C * (Opt*(theta, g) - theta)``.
-  Adam and AdamW only, on the path without a snapshot (fp32 master on the CPU).
+  Adam and AdamW only, on the path without a snapshot (fp32 master on the CPU);
+  a run where the screen computed no estimate by its fourth ``step()`` stops.
 
 Both act through a subclass of ``AccoOptimizer`` put in place of the library's
 before the script imports it; a script without ``AccoOptimizer`` (``train_ddp.py``)
@@ -42,7 +43,10 @@ def _flat(params) -> torch.Tensor:
     return torch.cat([p.detach().flatten() for p in params])
 
 
-def instrument(options: dict, estimate_gap: bool, out_dir: str) -> None:
+SCREENED = [0]  # estimates computed by screen_estimate's arithmetic, in this process
+
+
+def instrument(options: dict, estimate_gap: bool, out_dir: str, screening: bool = False) -> None:
     base = acco.AccoOptimizer
     rows: list = []
 
@@ -54,6 +58,11 @@ def instrument(options: dict, estimate_gap: bool, out_dir: str) -> None:
 
         def step(self, closure=None):
             loss = super().step(closure)
+            self._study_steps = getattr(self, "_study_steps", 0) + 1
+            # one round in flight at a time: this step's hand-off waited for the update's estimate round
+            if screening and self._study_steps == 4 and SCREENED[0] == 0:
+                raise RuntimeError("instrument.py: --estimate-blend/--estimate-extrapolate changed no estimate "
+                                   "(the optimizer does not take acco.functional's Adam path): nothing to screen")
             if estimate_gap and self.rank == 0:
                 held = _flat(self._study_params)
                 with self.committed_weights():
@@ -76,6 +85,7 @@ def screen_estimate(blend: float, extrapolate: float) -> None:
     original = functional._adam
 
     def _adam(outs, params, grads, moments, scalars, g):
+        SCREENED[0] += 1
         if blend != 1.0 and moments is not None:  # before the first step there is no momentum to blend in
             grads = torch._foreach_add(torch._foreach_mul(grads, blend), moments[0], alpha=1.0 - blend)
         original(outs, params, grads, moments, scalars, g)  # outs = Opt*(theta, grads)
@@ -108,7 +118,7 @@ def main(argv: list) -> None:
         raise SystemExit("instrument.py: name the training script to run")
     script = argv[0]
     out_dir = next((a.split("=", 1)[1] for a in argv[1:] if a.startswith("--out_dir=")), ".")
-    instrument(options, estimate_gap, out_dir)
+    instrument(options, estimate_gap, out_dir, screening=(blend, extrapolate) != (1.0, 1.0))
     if (blend, extrapolate) != (1.0, 1.0):
         screen_estimate(blend, extrapolate)
     sys.argv = argv

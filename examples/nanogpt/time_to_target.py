@@ -82,7 +82,8 @@ def lines(args: argparse.Namespace) -> List[dict]:
     """The (method, lr, warm-up, seed) lines of the study, most important first.
 
     At the main warm-up (the first of ``--warmups``), seed by seed: DDP then every ACCO method at ``--lr``; then
-    DDP at ``--ddp-lrs``, seed by seed. Then the other warm-ups: DDP and the first ACCO method, at ``--lr``. A line's
+    DDP at ``--ddp-lrs``, seed by seed; then DDP and every ACCO method at ``--acco-lrs``. Then the other
+    warm-ups: DDP and the first ACCO method, at ``--lr``. A line's
     ``branches`` are the (T, floor) it always runs (DDP: every length at floor 0, and the other floors at the
     main warm-up's longest length or the other warm-ups' shortest); an ACCO line instead searches its
     updates-to-target (``search``) for each of DDP's (T, floor) at its LR."""
@@ -93,11 +94,11 @@ def lines(args: argparse.Namespace) -> List[dict]:
         fixed = [(t, 0.0) for t in args.lengths] + [(floors_at, f) for f in args.floors if f]
         for seed in args.seeds:
             for m in (args.methods if w == main_w else args.methods[:2]):
-                lrs = [args.lr] + (args.ddp_lrs if m == "ddp" and w == main_w else [])
-                for lr in lrs:
+                others = ((args.ddp_lrs if m == "ddp" else []) + args.acco_lrs) if w == main_w else []
+                for lr in dict.fromkeys([args.lr] + others):  # each LR once, the main one first
                     out.append({"method": m, "lr": lr, "warmup": w, "seed": seed,
                                 "branches": fixed if m == "ddp" else [], "search": [] if m == "ddp" else fixed,
-                                "rank": (w != main_w, lr != args.lr, seed)})
+                                "rank": (w != main_w, lr != args.lr, lr in args.acco_lrs, seed)})
     return sorted(out, key=lambda x: x["rank"])
 
 
@@ -409,21 +410,23 @@ def summarize(records: List[dict], args: argparse.Namespace) -> dict:
 
 def report_markdown(s: dict, args: argparse.Namespace, speed: Dict[str, dict]) -> str:
     cfg = config_of(args)
+    all_lrs = list(dict.fromkeys([args.lr] + args.ddp_lrs + args.acco_lrs))
     tokens = args.batch_size * args.block_size * args.accum * 2
     out = [BEGIN, "",
            f"Records: {s['records']} runs (trunks and cool-down branches), {s['hours']:.2f} h of run time, "
-           f"{cfg['n_layer']} layers x {cfg['n_embd']} wide, {tokens:,} tokens per update, peak LR {args.lr:g}; "
+           f"{cfg['n_layer']} layers x {cfg['n_embd']} wide, {tokens:,} tokens per update, peak LR "
+           f"{', '.join(f'{lr:g}' for lr in all_lrs)}; "
            f"warm-up, constant, then linear cool-down over the last {cfg['cooldown_frac']:.0%} of a run of T updates "
            "to the floor x peak; held-out loss on "
            f"{cfg['eval_iters']} fixed batches at the end of the cool-down.", ""]
     # DDP's own losses, the targets, at each schedule and LR
     out += ["DDP + AdamW, fully decayed held-out loss (mean over seeds [min–max], n):", "",
-            "| warm-up | T | floor | " + " | ".join(f"LR {lr:g}" for lr in [args.lr] + args.ddp_lrs) + " |",
-            "|---|---|---|" + "---|" * (1 + len(args.ddp_lrs))]
+            "| warm-up | T | floor | " + " | ".join(f"LR {lr:g}" for lr in all_lrs) + " |",
+            "|---|---|---|" + "---|" * len(all_lrs)]
     keys = sorted({(d["warmup"], d["T"], d["floor"]) for d in s["ddp"]}, key=lambda k: (k[0] != args.warmups[0], k))
     for w, t, f in keys:
         cells = []
-        for lr in [args.lr] + args.ddp_lrs:
+        for lr in all_lrs:
             xs = [d["loss"] for d in s["ddp"] if (d["warmup"], d["T"], d["floor"], d["lr"]) == (w, t, f, lr)]
             cells.append(f"{statistics.fmean(xs):.4f} [{min(xs):.4f}–{max(xs):.4f}] ({len(xs)})" if xs else "—")
         out.append(f"| {w} | {t} | {f:g} | " + " | ".join(cells) + " |")
@@ -431,12 +434,18 @@ def report_markdown(s: dict, args: argparse.Namespace, speed: Dict[str, dict]) -
     out += ["", "Updates to DDP's fully decayed loss (same seed, same LR, same schedule), as a multiple of DDP's "
             "T: per seed, and the mean; `>`/`<`: beyond the lengths searched (the mean then takes the last length searched for that seed, and is a bound: `≤`/`≥`). Loss gap: the method's loss at "
             "DDP's T against DDP's.", "",
-            "| method | warm-up | T | floor | per seed (updates ratio) | mean ratio | mean extra updates | loss gap at T |",
-            "|---|---|---|---|---|---|---|---|"]
+            "| method | LR | warm-up | T | floor | per seed (updates ratio) | mean ratio | mean extra updates "
+            "| loss gap at T |",
+            "|---|---|---|---|---|---|---|---|---|"]
     groups: Dict[tuple, List[dict]] = {}
     for r in s["rows"]:
-        groups.setdefault((r["method"], r["warmup"], r["T"], r["floor"]), []).append(r)
-    for (m, w, t, f), rs in sorted(groups.items(), key=lambda kv: (kv[0][1] != args.warmups[0], kv[0][2], kv[0][3], kv[0][0])):
+        groups.setdefault((r["method"], float(r["lr"]), r["warmup"], r["T"], r["floor"]), []).append(r)
+
+    def order(kv):  # the main warm-up, then the main LR, first
+        m, lr, w, t, f = kv[0]
+        return (w != args.warmups[0], lr != args.lr, lr, t, f, m)
+
+    for (m, lr, w, t, f), rs in sorted(groups.items(), key=order):
         rs = sorted(rs, key=lambda r: r["seed"])
         done = [r for r in rs if r["result"] is not None]
         per = ", ".join(f"s{r['seed']} {bounded_text(r['result'])}" for r in done) or "—"
@@ -444,7 +453,7 @@ def report_markdown(s: dict, args: argparse.Namespace, speed: Dict[str, dict]) -
         gaps = [(r["loss_at_T"] - r["target"]) / r["target"] for r in rs if r["loss_at_T"] is not None]
         mean = mean_cell([r["result"] for r in done])
         mean = mean if mean == "—" else f"{mean} ({len(done)} seed{'s' if len(done) != 1 else ''})"
-        out.append(f"| {LABELS.get(m, m)} | {w} | {t} | {f:g} | {per} | {mean} | {extra} | "
+        out.append(f"| {LABELS.get(m, m)} | {lr:g} | {w} | {t} | {f:g} | {per} | {mean} | {extra} | "
                    f"{f'{statistics.fmean(gaps):+.2%}' if gaps else '—'} |")
     # where the gap is made: the trunks, at the constant peak LR
     tg = s.get("trunk_gaps")
@@ -454,7 +463,8 @@ def report_markdown(s: dict, args: argparse.Namespace, speed: Dict[str, dict]) -
         def cell(c: List[float]) -> str:
             return f"{statistics.fmean(c):+.2%} [{min(c):+.2%}–{max(c):+.2%}] ({len(c)})" if c else "—"
 
-        out += ["", f"Where the gap is made: the trunks (warm-up {args.warmups[0]}, then the constant peak LR) against "
+        out += ["", f"Where the gap is made: the trunks (warm-up {args.warmups[0]}, then the constant peak LR "
+                f"{args.lr:g}) against "
                 "DDP's trunk of the same seed. Train: the mean over the range of each update's relative train-loss gap "
                 "(each update's loss on its own batch; ACCO's first half taken at θ̃), as in the learning-rate study; held-out: the gap of the evaluation after the "
                 "range's last update. Mean over seeds [min–max] (n):", "",
@@ -473,10 +483,10 @@ def report_markdown(s: dict, args: argparse.Namespace, speed: Dict[str, dict]) -
                 f"The last two columns are what a time to target of {GOAL_TIME:g}x DDP's would ask: of the time per "
                 "update, at the mean updates ratio measured; of the updates ratio, at the median time per update "
                 "measured (below 1: fewer updates than DDP itself).", "",
-                "| method | warm-up | T | floor | time per update vs DDP | time to target vs DDP, per seed | mean "
+                "| method | LR | warm-up | T | floor | time per update vs DDP | time to target vs DDP, per seed | mean "
                 f"| {GOAL_TIME:g}x asks: time per update | {GOAL_TIME:g}x asks: updates ratio |",
-                "|---|---|---|---|---|---|---|---|---|"]
-        for (m, w, t, f), rs in sorted(groups.items(), key=lambda kv: (kv[0][1] != args.warmups[0], kv[0][2], kv[0][3], kv[0][0])):
+                "|---|---|---|---|---|---|---|---|---|---|"]
+        for (m, lr, w, t, f), rs in sorted(groups.items(), key=order):
             sp = speed.get(m)
             if sp is None or w != args.warmups[0]:
                 continue
@@ -486,7 +496,7 @@ def report_markdown(s: dict, args: argparse.Namespace, speed: Dict[str, dict]) -
             # a mean that is a bound (a seed beyond the lengths searched) bounds what it asks the other way round
             asks = mean_cell([r["result"] for r in done], fmt=lambda x: f"{GOAL_TIME / x:.3f}")
             asks = asks.replace("≤", "≥", 1) if asks.startswith("≤") else asks.replace("≥", "≤", 1)
-            out.append(f"| {LABELS.get(m, m)} | {w} | {t} | {f:g} | {sp['time_per_update']:.3f} "
+            out.append(f"| {LABELS.get(m, m)} | {lr:g} | {w} | {t} | {f:g} | {sp['time_per_update']:.3f} "
                        f"[{sp['min']:.3f}–{sp['max']:.3f}] | {cells} | {mean} | {asks} "
                        f"| {GOAL_TIME / sp['time_per_update']:.3f} |")
     out += ["", "![loss against run length](convergence_ttt.png)", "", END]
@@ -494,7 +504,7 @@ def report_markdown(s: dict, args: argparse.Namespace, speed: Dict[str, dict]) -
 
 
 def plot(records: List[dict], args: argparse.Namespace, path: Path) -> None:
-    """Fully decayed held-out loss against T (each branch's end), per method, at the main warm-up and floor 0,
+    """Fully decayed held-out loss against T (each branch's end), per method, at the main LR and warm-up and floor 0,
     mean over seeds; and the trunks' held-out curves (constant LR) of seed 0."""
     import matplotlib  # noqa: PLC0415 (an example's extra)
 
@@ -517,11 +527,11 @@ def plot(records: List[dict], args: argparse.Namespace, path: Path) -> None:
         trunk = next((r for r in rs if r["method"] == m and r["kind"] == "trunk" and int(r["seed"]) == args.seeds[0]), None)
         if trunk:
             axes[1].plot(*zip(*trunk["val"]), label=f"{LABELS[m]} (seed {args.seeds[0]})", color=colors[m])
-    axes[0].set_xlabel("run length T (updates), cooled down to 0")
+    axes[0].set_xlabel(f"run length T (updates), peak LR {args.lr:g}, cooled down to 0")
     axes[0].set_ylabel("final held-out loss (mean over seeds)")
     axes[0].set_xscale("log")
     axes[1].set_xlabel("update")
-    axes[1].set_ylabel("held-out loss at the constant LR (trunk)")
+    axes[1].set_ylabel(f"held-out loss at the constant LR {args.lr:g} (trunk)")
     axes[1].set_yscale("log")
     for ax in axes:
         ax.grid(alpha=0.3)
@@ -561,7 +571,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--lr", type=float, default=2e-3, help="DDP's best LR (the LR study's): every method runs here")
     p.add_argument("--ddp-lrs", type=lambda s: [float(x) for x in s.split(",") if x], default=[4e-3],
                    help="DDP's other LRs to check (its second best in the LR study)")
-    p.add_argument("--other-lrs-every-warmup", action="store_true")
+    p.add_argument("--acco-lrs", type=lambda s: [float(x) for x in s.split(",") if x], default=[],
+                   help="other LRs where DDP and every ACCO method run too (DDP's best LR may move with the schedule)")
     p.add_argument("--warmups", type=lambda s: [int(x) for x in s.split(",")], default=[100, 20],
                    help="the first is the main one (covers the plateau escape); the others: DDP and the first ACCO")
     p.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[500, 1500])
