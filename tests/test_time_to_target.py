@@ -320,7 +320,19 @@ def test_other_lrs_run_every_method_and_each_is_judged_against_ddp_at_its_lr(tmp
         rs += [dict(base, lr=lr, method="acco", T=t, start=round(0.8 * t), final_val_loss=v) for t, v in losses.items()]
     text = ttt.report_markdown(ttt.summarize(rs, args), args, {})
     assert "| 2 | 12 | 0 | 2.0000 [2.0000–2.0000] (1) | 1.8000 [1.8000–1.8000] (1) |" in text
-    rows = {x.split("|")[2].strip(): [c.strip() for c in x.strip("|").split("|")]
-            for x in text.splitlines() if x.startswith("| ACCO | ")}
-    assert rows["0.002"][5] == "s0 1.042" and rows["0.004"][5] == "s0 1.042", rows  # 12.5 / 12 at each LR
-    assert rows["0.002"][8] == "+5.00%" and rows["0.004"][8] == "+5.56%", rows  # 2.1 / 2.0, 1.9 / 1.8
+    rows = [[c.strip() for c in x.strip("|").split("|")] for x in text.splitlines() if x.startswith("| ACCO | ")]
+    assert [r[1] for r in rows] == ["0.002 (DDP's best: 0.004)", "0.004"], rows  # one row per LR, main LR first
+    assert rows[0][5] == "s0 1.042" and rows[1][5] == "s0 1.042", rows  # 12.5 / 12 at each LR
+    assert rows[0][8] == "+5.00%" and rows[1][8] == "+5.56%", rows  # 2.1 / 2.0, 1.9 / 1.8
+    assert "warm-up 2, T 12, floor 0: 0.004 (of 0.002, 0.004)." in text
+
+
+def test_ddps_best_lr_is_judged_on_the_seeds_both_lrs_share():
+    """Seed 1 ran at 2e-3 only: comparing its loss with 4e-3's seed 0 would pick an LR by the seeds run."""
+    ttt = _tool()
+    row = {"warmup": 100, "T": 500, "floor": 0.0}
+    ddp = [dict(row, lr=2e-3, seed=0, loss=1.35), dict(row, lr=2e-3, seed=1, loss=1.20),
+           dict(row, lr=4e-3, seed=0, loss=1.29)]
+    assert ttt.ddp_best_lrs(ddp) == {(100, 500, 0.0): (4e-3, [2e-3, 4e-3])}  # 1.29 < 1.35, not 1.29 > 1.275
+    assert ttt.lr_cell(2e-3, (4e-3, [2e-3, 4e-3])) == "0.002 (DDP's best: 0.004)"
+    assert ttt.lr_cell(4e-3, (4e-3, [2e-3, 4e-3])) == "0.004"

@@ -408,6 +408,28 @@ def summarize(records: List[dict], args: argparse.Namespace) -> dict:
             "hours": sum(r["wall_s"] for r in records) / 3600}
 
 
+def ddp_best_lrs(ddp: List[dict]) -> Dict[tuple, Tuple[float, List[float]]]:
+    """``{(warm-up, T, floor): (DDP's best LR, the LRs run)}``: the LR of the lowest mean loss over the seeds that
+    every LR run there shares (all of its seeds where there is one LR)."""
+    out = {}
+    for key in {(d["warmup"], d["T"], d["floor"]) for d in ddp}:
+        by = {}
+        for d in ddp:
+            if (d["warmup"], d["T"], d["floor"]) == key:
+                by.setdefault(d["lr"], {})[d["seed"]] = d["loss"]
+        shared = set.intersection(*(set(v) for v in by.values()))
+        if shared:
+            lr = min(by, key=lambda x: statistics.fmean(by[x][seed] for seed in shared))
+            out[key] = (lr, sorted(by))
+    return out
+
+
+def lr_cell(lr: float, best: Optional[Tuple[float, List[float]]]) -> str:
+    """A row's LR, and DDP's best where DDP did better at another LR of that schedule: the row's target is then
+    not the best DDP reached."""
+    return f"{lr:g}" if best is None or best[0] == lr else f"{lr:g} (DDP's best: {best[0]:g})"
+
+
 def report_markdown(s: dict, args: argparse.Namespace, speed: Dict[str, dict]) -> str:
     cfg = config_of(args)
     all_lrs = list(dict.fromkeys([args.lr] + args.ddp_lrs + args.acco_lrs))
@@ -430,6 +452,11 @@ def report_markdown(s: dict, args: argparse.Namespace, speed: Dict[str, dict]) -
             xs = [d["loss"] for d in s["ddp"] if (d["warmup"], d["T"], d["floor"], d["lr"]) == (w, t, f, lr)]
             cells.append(f"{statistics.fmean(xs):.4f} [{min(xs):.4f}–{max(xs):.4f}] ({len(xs)})" if xs else "—")
         out.append(f"| {w} | {t} | {f:g} | " + " | ".join(cells) + " |")
+    best = ddp_best_lrs(s["ddp"])
+    if any(len(lrs) > 1 for _, lrs in best.values()):
+        out += ["", "DDP's best LR (the lowest mean over the seeds both LRs share), where more than one was run: "
+                + "; ".join(f"warm-up {w}, T {t}, floor {f:g}: {lr:g} (of {', '.join(f'{x:g}' for x in lrs)})"
+                            for (w, t, f), (lr, lrs) in sorted(best.items()) if len(lrs) > 1) + "."]
     # updates to target
     out += ["", "Updates to DDP's fully decayed loss (same seed, same LR, same schedule), as a multiple of DDP's "
             "T: per seed, and the mean; `>`/`<`: beyond the lengths searched (the mean then takes the last length searched for that seed, and is a bound: `≤`/`≥`). Loss gap: the method's loss at "
@@ -453,7 +480,7 @@ def report_markdown(s: dict, args: argparse.Namespace, speed: Dict[str, dict]) -
         gaps = [(r["loss_at_T"] - r["target"]) / r["target"] for r in rs if r["loss_at_T"] is not None]
         mean = mean_cell([r["result"] for r in done])
         mean = mean if mean == "—" else f"{mean} ({len(done)} seed{'s' if len(done) != 1 else ''})"
-        out.append(f"| {LABELS.get(m, m)} | {lr:g} | {w} | {t} | {f:g} | {per} | {mean} | {extra} | "
+        out.append(f"| {LABELS.get(m, m)} | {lr_cell(lr, best.get((w, t, f)))} | {w} | {t} | {f:g} | {per} | {mean} | {extra} | "
                    f"{f'{statistics.fmean(gaps):+.2%}' if gaps else '—'} |")
     # where the gap is made: the trunks, at the constant peak LR
     tg = s.get("trunk_gaps")
@@ -496,7 +523,8 @@ def report_markdown(s: dict, args: argparse.Namespace, speed: Dict[str, dict]) -
             # a mean that is a bound (a seed beyond the lengths searched) bounds what it asks the other way round
             asks = mean_cell([r["result"] for r in done], fmt=lambda x: f"{GOAL_TIME / x:.3f}")
             asks = asks.replace("≤", "≥", 1) if asks.startswith("≤") else asks.replace("≥", "≤", 1)
-            out.append(f"| {LABELS.get(m, m)} | {lr:g} | {w} | {t} | {f:g} | {sp['time_per_update']:.3f} "
+            out.append(f"| {LABELS.get(m, m)} | {lr_cell(lr, best.get((w, t, f)))} | {w} | {t} | {f:g} "
+                       f"| {sp['time_per_update']:.3f} "
                        f"[{sp['min']:.3f}–{sp['max']:.3f}] | {cells} | {mean} | {asks} "
                        f"| {GOAL_TIME / sp['time_per_update']:.3f} |")
     out += ["", "![loss against run length](convergence_ttt.png)", "", END]
