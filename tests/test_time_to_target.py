@@ -21,7 +21,8 @@ HERE = os.path.dirname(__file__)
 TOOL = os.path.join(HERE, "..", "examples", "nanogpt", "time_to_target.py")
 TINY = ["--methods", "ddp,acco", "--seeds", "0", "--warmups", "2", "--lengths", "12", "--floors", "0",
         "--n-layer", "1", "--n-embd", "32", "--n-head", "2", "--block-size", "32", "--batch-size", "4",
-        "--accum", "2", "--eval-interval", "6", "--eval-iters", "2", "--no-plots", "--ddp-lrs", ""]
+        "--accum", "2", "--eval-interval", "6", "--eval-iters", "2", "--no-plots", "--lr", "0.002", "--ddp-lrs", "",
+        "--acco-lrs", ""]
 
 
 def _tool():

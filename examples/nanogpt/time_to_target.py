@@ -3,7 +3,8 @@
     python examples/nanogpt/time_to_target.py                 # run what is missing (resumable), then report
     python examples/nanogpt/time_to_target.py --report-only   # tables and plot from the records alone
 
-The target is DDP's final held-out loss at DDP's best learning rate. Every loss
+The target is DDP's final held-out loss at DDP's best learning rate (``--lr``;
+``--acco-lrs``: other LRs where every method runs too). Every loss
 compared is the end of a fully decayed schedule, never the middle of one: a
 run cut short in a cosine has not decayed yet, which flatters the method that
 is behind. The schedule is warm-up, constant, then a linear cool-down over the
@@ -596,11 +597,13 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--speed", type=Path, default=ROOT / "docs" / "benchmarks_data" / "time_to_target_speed.jsonl",
                    help="benchmarks/time_to_target.py speed records of these methods on the testbed (time per update)")
     p.add_argument("--methods", type=lambda s: s.split(","), default=["ddp", "acco", "acco-bf16"])
-    p.add_argument("--lr", type=float, default=2e-3, help="DDP's best LR (the LR study's): every method runs here")
-    p.add_argument("--ddp-lrs", type=lambda s: [float(x) for x in s.split(",") if x], default=[4e-3],
-                   help="DDP's other LRs to check (its second best in the LR study)")
-    p.add_argument("--acco-lrs", type=lambda s: [float(x) for x in s.split(",") if x], default=[],
-                   help="other LRs where DDP and every ACCO method run too (DDP's best LR may move with the schedule)")
+    p.add_argument("--lr", type=float, default=4e-3,
+                   help="DDP's best LR under this schedule (4e-3 at warm-up 100, 3 seeds): every method runs here")
+    p.add_argument("--ddp-lrs", type=lambda s: [float(x) for x in s.split(",") if x], default=[],
+                   help="other LRs where DDP alone runs")
+    p.add_argument("--acco-lrs", type=lambda s: [float(x) for x in s.split(",") if x], default=[2e-3],
+                   help="other LRs where DDP and every ACCO method run too (2e-3: the LR study's best for DDP, at "
+                        "warm-up 20 and a cosine, the study's first target)")
     p.add_argument("--warmups", type=lambda s: [int(x) for x in s.split(",")], default=[100, 20],
                    help="the first is the main one (covers the plateau escape); the others: DDP and the first ACCO")
     p.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[500, 1500])
