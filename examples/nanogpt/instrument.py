@@ -118,8 +118,9 @@ def main(argv: list) -> None:
         raise SystemExit("instrument.py: name the training script to run")
     script = argv[0]
     out_dir = next((a.split("=", 1)[1] for a in argv[1:] if a.startswith("--out_dir=")), ".")
-    instrument(options, estimate_gap, out_dir, screening=(blend, extrapolate) != (1.0, 1.0))
-    if (blend, extrapolate) != (1.0, 1.0):
+    screening = (blend, extrapolate) != (1.0, 1.0)
+    instrument(options, estimate_gap, out_dir, screening=screening)
+    if screening:
         screen_estimate(blend, extrapolate)
     sys.argv = argv
     runpy.run_path(script, run_name="__main__")
