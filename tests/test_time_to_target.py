@@ -246,6 +246,49 @@ def test_a_trunk_run_again_for_a_branch_is_recorded(tmp_path, monkeypatch):
     assert (branch["kind"], branch["T"], branch["start"], len(launched)) == ("branch", 12, 10, 1)
 
 
+def test_a_trunk_goes_on_from_the_latest_checkpoint_a_recorded_shorter_trunk_kept(tmp_path, monkeypatch):
+    """A longer trunk resumes from the latest kept checkpoint that a recorded trunk of the same line covers, and
+    its record holds the whole trunk (the earlier record's updates, then this run's); without such a checkpoint
+    it runs from scratch in an emptied folder."""
+    ttt = _tool()
+    records = tmp_path / "r.jsonl"
+    args = ttt.parse([*TINY, "--lengths", "12,18", "--records", str(records), "--workdir", str(tmp_path / "w")])
+    line = next(x for x in ttt.lines(args) if x["method"] == "ddp")
+    assert ttt.trunk_length(args, line) == 14
+    folder = ttt.trunk_dir(args, line)
+    folder.mkdir(parents=True)
+    for k in (6, 10, 14, 20):
+        (folder / f"ckpt-{k}.pt").write_bytes(b"")
+    (folder / "ckpt.pt").write_bytes(b"")
+    earlier = {"kind": "trunk", "method": "ddp", "lr": 0.002, "warmup": 2, "seed": 0, "config": ttt.config_of(args),
+               "val": [[0, 5.0], [6, 4.0], [10, 3.5]], "train_loss": [float(i) for i in range(10)], "train_s": 20.0}
+    other_seed = {**earlier, "seed": 1, "train_loss": [0.0] * 30}
+    records.write_text(json.dumps(other_seed) + "\n" + json.dumps(earlier) + "\n")
+    launched = []
+
+    def fake_launch(script, flags, overrides, out):
+        launched.append(overrides)
+        return [{"iter": 12, "val_loss": 3.0}, {"iter": 14, "val_loss": 2.9}], \
+            [{"iter": i, "train_loss": 100.0 + i, "time": 3.0 * (i - 9)} for i in range(10, 14)], None, 7.0
+
+    monkeypatch.setattr(ttt, "launch", fake_launch)
+    record = ttt.run_trunk(args, line)
+    assert f"--resume_from={(folder / 'ckpt-10.pt').resolve()}" in launched[-1] and "--max_iters=14" in launched[-1]
+    assert record["val"] == [[0, 5.0], [6, 4.0], [10, 3.5], [12, 3.0], [14, 2.9]]
+    assert record["train_loss"] == [float(i) for i in range(10)] + [110.0, 111.0, 112.0, 113.0]
+    assert (record["extends"], record["train_s"], record["wall_s"], record["T"]) == (10, 32.0, 7.0, 14)
+    assert (folder / "ckpt-6.pt").exists()
+
+    records.write_text(json.dumps({**earlier, "train_loss": earlier["train_loss"][:8]}) + "\n")
+    ttt.run_trunk(args, line)  # the record covers 8 updates: ckpt-10 is not its, ckpt-6 is
+    assert f"--resume_from={(folder / 'ckpt-6.pt').resolve()}" in launched[-1]
+
+    records.write_text(json.dumps(other_seed) + "\n")
+    record = ttt.run_trunk(args, line)  # no trunk of this line recorded: from scratch, in an emptied folder
+    assert not any(o.startswith(("--init_from", "--resume_from")) for o in launched[-1])
+    assert "extends" not in record and not folder.exists()
+
+
 def test_the_screened_estimates_change_the_estimate_as_documented(monkeypatch):
     """instrument.py's study-only candidates (--estimate-blend, --estimate-extrapolate) change what the library's
     Opt* writes, by the formulas of its docstring, and leave it alone at 1.0: checked on AdamW's state after two
