@@ -52,12 +52,16 @@ def _opt_step(opt: torch.optim.Optimizer, theta: Tensors, grads: Tensors) -> Non
     opt.step()
 
 
-def _opt_star(opt: torch.optim.Optimizer, make_opt: MakeOpt, theta: Tensors, grads: Tensors) -> Tensors:
-    """Opt*(theta, g): the same step on a scratch copy; theta and opt untouched."""
+def _opt_star(opt: torch.optim.Optimizer, make_opt: MakeOpt, theta: Tensors, grads: Tensors,
+              extrapolation: float = 1.0) -> Tensors:
+    """Opt*(theta, g): the same step on a scratch copy; theta and opt untouched. ``extrapolation`` c:
+    ``theta + c * (Opt*(theta, g) - theta)`` (``estimate_extrapolation``)."""
     scratch = [t.detach().clone() for t in theta]
     tmp = make_opt(scratch)
     tmp.load_state_dict(copy.deepcopy(opt.state_dict()))
     _opt_step(tmp, scratch, grads)
+    if extrapolation != 1.0:
+        return [t + extrapolation * (s - t) for t, s in zip(theta, scratch)]
     return scratch
 
 
@@ -67,6 +71,7 @@ def reference_run(
     mode: str,
     grad_fn: GradFn,
     counts: Sequence[Sequence[int]],
+    estimate_extrapolation: float = 1.0,
 ):
     """Simulate ``len(counts)`` ranks; ``counts[r][k]`` micro-batches of rank ``r`` in hand-off ``k``.
 
@@ -100,7 +105,7 @@ def reference_run(
         kind = "estimate" if mode == "acco" and k % 2 == 0 else "commit"
         mean = [a / accum_count for a in accum]
         if kind == "estimate":
-            result = _opt_star(opt, make_opt, theta, mean)  # theta~_{t+1}; gradients kept for the commit
+            result = _opt_star(opt, make_opt, theta, mean, estimate_extrapolation)  # theta~_{t+1}; gradients kept
         else:
             _opt_step(opt, theta, mean)  # theta_{t+1}
             result = [t.detach().clone() for t in theta]
@@ -131,6 +136,7 @@ def update_run(
     estimate_dtype: Optional[torch.dtype] = None,
     max_grad_norm: Optional[float] = None,
     estimate_microbatches: Optional[int] = None,
+    estimate_extrapolation: float = 1.0,
 ):
     """One ``step()`` per update of ``m`` micro-batches per rank (``algorithm.md``, "Hand-offs in the user's loop").
 
@@ -144,7 +150,8 @@ def update_run(
     rank's sum of its first ``h`` gradients is cast to it and the ranks' sums
     are added in it, in rank order (a ring's order for 2 ranks), and the
     estimate comes back cast to it. ``max_grad_norm``: each round's averaged gradient is clipped by its global
-    norm. ``estimate_microbatches``: ``h``, when not the first half. The average multiplies the ranks' sum by ``1/n_ranks`` (an estimate's by ``m/(h n_ranks)``), in
+    norm. ``estimate_microbatches``: ``h``, when not the first half. ``estimate_extrapolation``: ``c``, the
+    estimate is ``theta + c * (Opt*(theta, g) - theta)`` (before the cast to ``estimate_dtype``). The average multiplies the ranks' sum by ``1/n_ranks`` (an estimate's by ``m/(h n_ranks)``), in
     the float the library uses, so that exact sums give the very same inputs to an optimizer that rounds
     (Muon orthogonalises in bf16).
 
@@ -193,7 +200,8 @@ def update_run(
                 first = [f.to(theta[0].dtype) for f in first]
             if pending is not None:  # hand-off of the estimate: theta_t into the model
                 model, pending = [x.clone() for x in pending], None
-            estimate = _opt_star(opt, make_opt, theta, clipped([a * (m / (h * n_ranks)) for a in first], max_grad_norm))
+            estimate = _opt_star(opt, make_opt, theta, clipped([a * (m / (h * n_ranks)) for a in first], max_grad_norm),
+                                 estimate_extrapolation)
             if estimate_dtype is not None:
                 estimate = [x.to(estimate_dtype).to(theta[0].dtype) for x in estimate]
             accumulate(accum, m - h)

@@ -40,7 +40,9 @@ def _setup(cls, kw, seed, chunk):
 @pytest.mark.parametrize("name,cls,kw", CASES, ids=[c[0] for c in CASES])
 @pytest.mark.parametrize("steps_before", [0, 3])
 @pytest.mark.parametrize("into_grad", [False, True], ids=["own-output", "into-grad"])
-def test_estimate_equals_the_optimizers_step_and_changes_nothing(name, cls, kw, steps_before, into_grad, monkeypatch):
+@pytest.mark.parametrize("c", [1.0, 1.3], ids=["step", "extrapolated-1.3"])
+def test_estimate_equals_the_optimizers_step_and_changes_nothing(name, cls, kw, steps_before, into_grad, c, monkeypatch):
+    """Opt*, or with ``c`` (estimate_extrapolation) ``theta + c * (Opt* - theta)``, against the real step."""
     monkeypatch.setattr(functional, "CHUNK", 5)  # several chunks per piece
     for seed in range(3):
         master, grad, pieces, opt = _setup(cls, kw, seed, 5)
@@ -54,21 +56,22 @@ def test_estimate_equals_the_optimizers_step_and_changes_nothing(name, cls, kw, 
                         for p in pieces}
         n = master.numel() - 3
         if into_grad:  # the round's fp32 case: Opt* overwrites the gradient slice it reads
-            functional.estimate_into(grad, opt, pieces, master)
+            functional.estimate_into(grad, opt, pieces, master, c)
             assert torch.equal(grad[n:], grad_before[n:]), "only the pieces are written"
             out = grad.clone()
             grad.copy_(grad_before)
         else:
             out = torch.full_like(master, float("nan"))
-            functional.estimate_into(out, opt, pieces, master)
+            functional.estimate_into(out, opt, pieces, master, c)
             assert bool(out[n:].isnan().all()) and not bool(out[:n].isnan().any()), "only the pieces are written"
         functional.copy_ranges(out, master, [(n, n + 3)])  # the round copies the rest (padding) from the master
         assert torch.equal(master, before_master), "theta must not move"
         for p in pieces:
             for k, v in before_state[id(p)].items():
                 assert torch.equal(opt.state[p][k], v) if torch.is_tensor(v) else opt.state[p][k] == v
-        opt.step()  # the real step: what the estimate must equal
-        assert torch.allclose(out, master, rtol=1e-6, atol=1e-7), (out - master).abs().max()
+        opt.step()  # the real step: what the estimate must equal (extrapolated by c)
+        want = before_master + c * (master - before_master)
+        assert torch.allclose(out, want, rtol=1e-6, atol=1e-6), (out - want).abs().max()
 
 
 @pytest.mark.parametrize("cls,kw", [(torch.optim.AdamW, dict(amsgrad=True)), (torch.optim.Adam, dict(maximize=True)),
@@ -88,7 +91,8 @@ ROUND_CASES = [
 
 
 @pytest.mark.parametrize("name,cls,kw", ROUND_CASES, ids=[c[0] for c in ROUND_CASES])
-def test_estimate_round_equals_the_oracles_opt_star(name, cls, kw):
+@pytest.mark.parametrize("c", [1.0, 1.2], ids=["step", "extrapolated-1.2"])
+def test_estimate_round_equals_the_oracles_opt_star(name, cls, kw, c):
     """A whole ESTIMATE round (one process: the collectives are copies) gives the oracle's Opt*(theta, g), by the
     snapshot or the functional way, and leaves the master slice and the optimizer state as they were."""
     from oracle import _opt_star
@@ -107,7 +111,7 @@ def test_estimate_round_equals_the_oracles_opt_star(name, cls, kw):
         opt.step()
     assert functional.supports(opt) == name.endswith("(functional)")
     gradient_sum = torch.randn(n, generator=g)  # this rank's sum over 2 micro-batches
-    want = _opt_star(opt, lambda ps: cls(ps, **kw), [master.detach()], [gradient_sum * 0.5])[0]
+    want = _opt_star(opt, lambda ps: cls(ps, **kw), [master.detach()], [gradient_sum * 0.5], c)[0]
     before_master = master.detach().clone()
     before_state = {k: (v.clone() if torch.is_tensor(v) else v) for k, v in opt.state[master].items()}
     f64 = dict(dtype=torch.float64)
@@ -115,7 +119,8 @@ def test_estimate_round_equals_the_oracles_opt_star(name, cls, kw):
                            count=torch.zeros(1), rank_counts=torch.zeros(1), row=torch.zeros(3, **f64),
                            rows=torch.zeros(3, **f64))
     hyper = [{k: v for k, v in opt.param_groups[0].items() if k != "params"}]
-    run_round(RoundContext(buffers, WrappedOptimizers.around(opt, master), None, OptimizerSnapshot()), RoundSpec(RoundKind.ESTIMATE, 2, 0.5, hyper))
+    run_round(RoundContext(buffers, WrappedOptimizers.around(opt, master), None, OptimizerSnapshot(), extrapolation=c),
+              RoundSpec(RoundKind.ESTIMATE, 2, 0.5, hyper))
     assert torch.allclose(buffers.weights, want, rtol=1e-6, atol=1e-7), (buffers.weights - want).abs().max()
     assert torch.equal(master.detach(), before_master), "theta must not move"
     for k, v in before_state.items():

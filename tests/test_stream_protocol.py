@@ -88,12 +88,15 @@ CONFIGS += [
     ("sgd/acco/m3-estimate-auto", "sgd", "acco", 3, 0, 0),
     # a later estimate hand-off (estimate_microbatches=3 of 4): the commit hides behind 3 micro-batches
     ("adamw/acco/m4-estimate-after-3", "adamw", "acco", 4, 0, 0),
+    # estimate_extrapolation=1.2: Muon's estimate extrapolated from its step on the snapshot, AdamW's computed
+    ("muon_split/acco/extrapolate", "muon_split", "acco", 2, 0, 0),
 ]
 AUTO_WORLDS = (1, 2)  # compared with the oracle's bf16 sum where the ranks' bf16 sum has one order
 
 
 def _estimate_option(name: str) -> dict:
     later = {"estimate_microbatches": 3} if name.endswith("estimate-after-3") else {}
+    later.update({"estimate_extrapolation": 1.2} if name.endswith("extrapolate") else {})
     return {**later} if name.endswith("estimate-auto") else {"estimate_dtype": None, **later}
 ELASTIC_STEPS = 6
 
@@ -149,6 +152,7 @@ def _train(name, opt_name, mode, m, model_device, current_device, rank):
         side_devices=[s.device for s in fake.side_streams], destroyed_after_end=destroyed_after_end,
         uses_streams=opt.scheduler.uses_streams, rounds=opt.num_rounds, stats=stats, round_threads=threads,
         estimate_dtype=opt.estimate_dtype, estimate_microbatches=opt.estimate_microbatches,
+        estimate_extrapolation=opt.estimate_extrapolation,
     )
 
 
@@ -198,7 +202,8 @@ def test_cuda_path_matches_oracle_with_no_race(world, name):
 
             ref_steps, ref_committed, ref_final = update_run(r["theta0"], make_opt, mode, scaled,
                                                              world, UPDATES, m, estimate_dtype=r["estimate_dtype"],
-                                                             estimate_microbatches=r["estimate_microbatches"])
+                                                             estimate_microbatches=r["estimate_microbatches"],
+                                                             estimate_extrapolation=r["estimate_extrapolation"])
         assert max(rel_err(a, flat_list(b)) for a, b in zip(r["traj"], ref_steps)) < tol, f"rank {rank}"
         if m is not None:
             assert rel_err(r["committed"], flat_list(ref_committed[-1])) < tol, f"rank {rank}"

@@ -290,9 +290,10 @@ def test_a_trunk_goes_on_from_the_latest_checkpoint_a_recorded_shorter_trunk_kep
 
 
 def test_the_screened_estimates_change_the_estimate_as_documented(monkeypatch):
-    """instrument.py's study-only candidates (--estimate-blend, --estimate-extrapolate) change what the library's
-    Opt* writes, by the formulas of its docstring, and leave it alone at 1.0: checked on AdamW's state after two
-    real steps, against torch's own step on a copy."""
+    """instrument.py's study-only candidate (--estimate-blend) changes what the library's Opt* writes, by the
+    formula of its docstring, and leaves it alone at 1.0, also with the library's estimate_extrapolation (the
+    candidate the screen ran first, now an option): checked on AdamW's state after two real steps, against
+    torch's own step on a copy."""
     import copy
 
     import torch
@@ -324,10 +325,10 @@ def test_the_screened_estimates_change_the_estimate_as_documented(monkeypatch):
 
     def estimate(blend, extrapolate):
         monkeypatch.setattr(functional, "_adam", plain)  # undone after the test, like the screen itself
-        if (blend, extrapolate) != (1.0, 1.0):
-            instrument.screen_estimate(blend, extrapolate)
+        if blend != 1.0:
+            instrument.screen_estimate(blend)
         out = torch.empty(64)
-        functional.estimate_into(out, opt, [p, q], master)
+        functional.estimate_into(out, opt, [p, q], master, extrapolate)
         return out
 
     plain = functional._adam
@@ -341,10 +342,10 @@ def test_the_screened_estimates_change_the_estimate_as_documented(monkeypatch):
     torch.testing.assert_close(master, theta)  # Opt* wrote nothing else
     # the study's path (fp32 master, no staging slice): Opt* is written over the gradients it reads
     monkeypatch.setattr(functional, "_adam", plain)
-    instrument.screen_estimate(0.5, 1.2)
+    instrument.screen_estimate(0.5)
     memory = g.clone()
     p.grad, q.grad = memory[:40].view(5, 8), memory[40:]
-    functional.estimate_into(memory, opt, [p, q], master)
+    functional.estimate_into(memory, opt, [p, q], master, 1.2)
     torch.testing.assert_close(memory, theta + 1.2 * (torch_step(0.5 * g + 0.5 * m) - theta))
 
 

@@ -47,6 +47,10 @@ CONFIGS += [
      {"estimate_microbatches": 1}),
     ("adamw/acco/m4-estimate-after-3-bf16", "adamw", "acco", 4, True, False,
      {"estimate_microbatches": 3, "estimate_dtype": torch.bfloat16}),
+    # the estimate's step extrapolated (beyond the paper): computed straight into the round's input
+    ("adamw/acco/m2-extrapolate", "adamw", "acco", 2, True, True, {"estimate_extrapolation": 1.2}),
+    ("sgd_momentum/acco/m4-extrapolate-bf16", "sgd_momentum", "acco", 4, True, False,
+     {"estimate_extrapolation": 1.5, "estimate_dtype": torch.bfloat16}),
 ]
 # The other configurations name the paper's exact estimate (estimate_dtype=None), which the oracle computes.
 BF16_ESTIMATE_WORLDS = (2,)
@@ -87,7 +91,8 @@ def _worker(rank: int, world: int) -> dict:
         ref_steps, ref_committed, ref_final = update_run(
             theta0, lambda ps: cls(ps, **kw), mode, scaled, world, UPDATES, m, learned=not given and mode == "acco",
             lr_at=_lr if schedule else None, synchronous_updates=options.get("synchronous_updates", 0),
-            estimate_dtype=opt.estimate_dtype, estimate_microbatches=options.get("estimate_microbatches"))
+            estimate_dtype=opt.estimate_dtype, estimate_microbatches=options.get("estimate_microbatches"),
+            estimate_extrapolation=opt.estimate_extrapolation)
         out[name] = {
             "step_err": max(rel_err(a, flat_list(b)) for a, b in zip(traj, ref_steps)),
             "committed_err": max(rel_err(a, flat_list(b)) for a, b in zip(committed, ref_committed)),

@@ -4,22 +4,23 @@
         examples/nanogpt/train_acco.py --out_dir=... [the script's --key=value settings]
 
 * ``--acco-option=KEY=VALUE``: an extra ``AccoOptimizer`` keyword argument, an
-  int, a torch dtype or ``None``, e.g. ``synchronous_updates=20`` (the study's
-  remedy), ``compute_dtype=bfloat16``, ``reduce_dtype=float32`` or
-  ``estimate_dtype=None`` (the paper's exact estimate; the default is ``"auto"``);
+  int, a float, a torch dtype or ``None``, e.g. ``synchronous_updates=20`` (the study's
+  remedy), ``compute_dtype=bfloat16``, ``reduce_dtype=float32``,
+  ``estimate_dtype=None`` (the paper's exact estimate; the default is ``"auto"``)
+  or ``estimate_extrapolation=1.2``;
 * ``--estimate-gap``: after every ``step()``, rank 0 logs ``|theta~ - theta|``
   (what the model holds, in mode acco the estimate, against the committed
   update) and ``|theta_{t+1} - theta_t|`` to ``OUT_DIR/estimate_gap.json``.
   It waits for every commit: a diagnostic, not for timing.
-* ``--estimate-blend=W`` and ``--estimate-extrapolate=C``: candidate remedies
-  screened by the time-to-target study (``docs/convergence.md``), not library
-  options. They change the arithmetic of the estimate round's Adam step
-  (``acco.functional._adam``, which computes ``Opt*`` only), never the commit:
-  the blend takes the estimate's gradient as ``W * g + (1 - W) * m`` (``m`` the
-  first moment before the step: ``W = 0`` is the momentum-only prediction);
-  the extrapolation takes ``theta~ = theta + C * (Opt*(theta, g) - theta)``.
-  Adam and AdamW only, on the path without a snapshot (fp32 master on the CPU);
-  a run where the screen computed no estimate by its fourth ``step()`` stops.
+* ``--estimate-blend=W``: a candidate remedy screened by the time-to-target
+  study (``docs/convergence.md``), not a library option. It changes the
+  arithmetic of the estimate round's Adam step (``acco.functional._adam``,
+  which computes ``Opt*`` only), never the commit: the estimate's gradient is
+  ``W * g + (1 - W) * m`` (``m`` the first moment before the step: ``W = 0`` is
+  the momentum-only prediction). Adam and AdamW only, on the path without a
+  snapshot (fp32 master on the CPU); a run where the screen computed no
+  estimate by its fourth ``step()`` stops. (The other screened candidate, the
+  extrapolated estimate, is the library's ``estimate_extrapolation`` now.)
 
 Both act through a subclass of ``AccoOptimizer`` put in place of the library's
 before the script imports it; a script without ``AccoOptimizer`` (``train_ddp.py``)
@@ -61,7 +62,7 @@ def instrument(options: dict, estimate_gap: bool, out_dir: str, screening: bool 
             self._study_steps = getattr(self, "_study_steps", 0) + 1
             # one round in flight at a time: this step's hand-off waited for the update's estimate round
             if screening and self._study_steps == 4 and SCREENED[0] == 0:
-                raise RuntimeError("instrument.py: --estimate-blend/--estimate-extrapolate changed no estimate "
+                raise RuntimeError("instrument.py: --estimate-blend changed no estimate "
                                    "(the optimizer does not take acco.functional's Adam path): nothing to screen")
             if estimate_gap and self.rank == 0:
                 held = _flat(self._study_params)
@@ -77,51 +78,46 @@ def instrument(options: dict, estimate_gap: bool, out_dir: str, screening: bool 
         atexit.register(lambda: open(os.path.join(out_dir, "estimate_gap.json"), "w").write(json.dumps(rows)))
 
 
-def screen_estimate(blend: float, extrapolate: float) -> None:
-    """Put the study's candidate estimates in place of the library's Adam ``Opt*`` arithmetic (see the module's
+def screen_estimate(blend: float) -> None:
+    """Put the study's candidate estimate in place of the library's Adam ``Opt*`` arithmetic (see the module's
     docstring); both ranks run this before the script starts, so their rounds agree."""
     from acco import functional  # noqa: PLC0415
 
     original = functional._adam
 
-    def _adam(outs, params, grads, moments, scalars, g):
+    def _adam(outs, params, grads, moments, scalars, g, *rest):
         SCREENED[0] += 1
-        if blend != 1.0 and moments is not None:  # before the first step there is no momentum to blend in
+        if moments is not None:  # before the first step there is no momentum to blend in
             grads = torch._foreach_add(torch._foreach_mul(grads, blend), moments[0], alpha=1.0 - blend)
-        original(outs, params, grads, moments, scalars, g)  # outs = Opt*(theta, grads)
-        if extrapolate != 1.0:
-            step = torch._foreach_sub(outs, params)
-            torch._foreach_mul_(step, extrapolate)
-            torch._foreach_copy_(outs, torch._foreach_add(params, step))
+        original(outs, params, grads, moments, scalars, g, *rest)  # outs = Opt*(theta, grads)
 
     functional._adam = _adam
 
 
 def main(argv: list) -> None:
     options, estimate_gap = {}, False
-    blend, extrapolate = 1.0, 1.0
+    blend = 1.0
     while argv and argv[0].startswith("--"):
         flag = argv.pop(0)
         if flag == "--estimate-gap":
             estimate_gap = True
         elif flag.startswith("--estimate-blend="):
             blend = float(flag.split("=", 1)[1])
-        elif flag.startswith("--estimate-extrapolate="):
-            extrapolate = float(flag.split("=", 1)[1])
         elif flag.startswith("--acco-option="):
             key, value = flag.split("=", 1)[1].split("=", 1)
             options[key] = (None if value == "None" else getattr(torch, value)
-                            if isinstance(getattr(torch, value, None), torch.dtype) else int(value))
+                            if isinstance(getattr(torch, value, None), torch.dtype)
+                            else float(value) if "." in value else int(value))
         else:
             raise SystemExit(f"instrument.py: unknown flag {flag!r} (see the docstring)")
     if not argv:
         raise SystemExit("instrument.py: name the training script to run")
     script = argv[0]
     out_dir = next((a.split("=", 1)[1] for a in argv[1:] if a.startswith("--out_dir=")), ".")
-    screening = (blend, extrapolate) != (1.0, 1.0)
+    screening = blend != 1.0
     instrument(options, estimate_gap, out_dir, screening=screening)
     if screening:
-        screen_estimate(blend, extrapolate)
+        screen_estimate(blend)
     sys.argv = argv
     runpy.run_path(script, run_name="__main__")
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import datetime
 import inspect
+import math
 import os
 from typing import Any, Dict, Iterable, List, Optional
 
@@ -224,6 +225,20 @@ def check_estimate_microbatches(mode: str, per_update: Any, elastic: bool, h: An
         )
     if per_update is not None:
         check_estimate_within(h, per_update)
+
+
+def check_estimate_extrapolation(mode: str, c: Any) -> float:
+    """``estimate_extrapolation``: ``theta~ = theta + c * (Opt*(theta, g) - theta)`` (mode acco); ``1.0`` is the
+    paper's estimate. Returns it as a float."""
+    if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or not 0 < c <= 2:
+        raise ValueError(
+            f"estimate_extrapolation must be a number in (0, 2], got {c!r}: 1.0 is the paper's estimate, 1.2 the "
+            "measured option (docs/convergence.md, time to target)"
+        )
+    if c != 1 and mode != "acco":
+        raise ValueError(f"estimate_extrapolation={c} applies to mode='acco' only (its estimate round), got "
+                         f"mode={mode!r}: drop it")
+    return float(c)
 
 
 def check_estimate_within(h: int, m: int) -> None:

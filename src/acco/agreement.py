@@ -61,6 +61,7 @@ def fingerprints(opt: Any) -> List[Tuple[str, Any]]:
         ("reduce_dtype / estimate_dtype", (str(opt.reduce_dtype), str(opt.estimate_dtype))),
         ("synchronous_updates", opt.synchronous_updates),
         ("estimate_microbatches", opt.estimate_microbatches),
+        ("estimate_extrapolation", opt.estimate_extrapolation),
         ("max_grad_norm", opt.max_grad_norm),
         ("nonfinite", opt.nonfinite),
         ("timeout", str(opt.timeout)),  # with one, every rank builds the control group (a collective)

@@ -63,9 +63,14 @@ def estimate_into(
     optimizer: torch.optim.Optimizer,
     pieces: Sequence[torch.Tensor],
     master: torch.Tensor,
+    extrapolation: float = 1.0,
 ) -> None:
     """Write ``Opt*(master, pieces' .grad)`` into ``out`` (master's shape, any float dtype) where ``pieces`` lie;
     change nothing else (the caller fills the rest of ``out``: other optimizers' tensors, padding).
+
+    ``extrapolation`` ``c`` writes ``master + c * (Opt*(master, g) - master)`` instead (``estimate_extrapolation``,
+    ``docs/algorithm.md``): every step these optimizers take is linear in the learning rate, weight decay
+    included, so this is the step with ``c * lr``, at no extra cost.
 
     ``pieces`` are the wrapped optimizer's parameters (views of ``master``,
     each with its ``.grad``), in ``optimizer.param_groups`` order. ``out``
@@ -109,9 +114,9 @@ def estimate_into(
                 columns = [list(c) for c in zip(*batch)]
                 if adam:
                     scalars = once if once is not None else _adam_scalars(step if stateful else None, group)
-                    _adam(*columns[:3], columns[3:] if stateful else None, scalars, group)
+                    _adam(*columns[:3], columns[3:] if stateful else None, scalars, group, extrapolation)
                 else:
-                    _sgd(*columns[:3], columns[3] if stateful else None, group)
+                    _sgd(*columns[:3], columns[3] if stateful else None, group, extrapolation)
 
 
 def copy_ranges(out: torch.Tensor, source: torch.Tensor, ranges: Sequence[Tuple[int, int]]) -> None:
@@ -157,9 +162,11 @@ def _adam_scalars(step_t: Optional[torch.Tensor], g: Dict[str, Any]) -> Tuple[An
 
 
 def _adam(outs: List[torch.Tensor], params: List[torch.Tensor], grads: List[torch.Tensor],
-          moments: Optional[List[List[torch.Tensor]]], scalars: Tuple[Any, Any], g: Dict[str, Any]) -> None:
+          moments: Optional[List[List[torch.Tensor]]], scalars: Tuple[Any, Any], g: Dict[str, Any],
+          extrapolation: float = 1.0) -> None:
     """torch.optim.Adam(W)'s step (the single-tensor arithmetic), into ``outs``; ``moments``: [exp_avg's,
-    exp_avg_sq's], or None before the first step; ``scalars``: :func:`_adam_scalars` of the group."""
+    exp_avg_sq's], or None before the first step; ``scalars``: :func:`_adam_scalars` of the group;
+    ``extrapolation``: ``c``, the step taken ``c`` times (``lr`` scaled by ``c``, in the decay too)."""
     beta1, beta2 = g["betas"]
     lr, eps, wd = g["lr"], g["eps"], g["weight_decay"]
     decoupled = g.get("decoupled_weight_decay", False)
@@ -176,15 +183,15 @@ def _adam(outs: List[torch.Tensor], params: List[torch.Tensor], grads: List[torc
     torch._foreach_div_(denom, bc2_sqrt)
     torch._foreach_add_(denom, eps)
     torch._foreach_div_(m, denom)
-    torch._foreach_mul_(m, step_size)
-    theta = torch._foreach_mul(params, 1 - lr * wd) if wd != 0 and decoupled else params
+    torch._foreach_mul_(m, step_size * extrapolation if extrapolation != 1.0 else step_size)
+    theta = torch._foreach_mul(params, 1 - extrapolation * lr * wd) if wd != 0 and decoupled else params
     torch._foreach_copy_(outs, torch._foreach_sub(theta, m))  # the gradients were all read above
 
 
 def _sgd(outs: List[torch.Tensor], params: List[torch.Tensor], grads: List[torch.Tensor],
-         bufs: Optional[List[torch.Tensor]], g: Dict[str, Any]) -> None:
+         bufs: Optional[List[torch.Tensor]], g: Dict[str, Any], extrapolation: float = 1.0) -> None:
     """torch.optim.SGD's step (the single-tensor arithmetic), into ``outs``; ``bufs``: the momentum buffers,
-    or None before the first step."""
+    or None before the first step; ``extrapolation``: ``c``, the step taken ``c`` times."""
     lr, wd, mu = g["lr"], g["weight_decay"], g["momentum"]
     dampening, nesterov = g["dampening"], g["nesterov"]
     if wd != 0:
@@ -196,4 +203,4 @@ def _sgd(outs: List[torch.Tensor], params: List[torch.Tensor], grads: List[torch
             b = torch._foreach_mul(bufs, mu)
             torch._foreach_add_(b, grads, alpha=1 - dampening)
         grads = torch._foreach_add(grads, b, alpha=mu) if nesterov else b
-    torch._foreach_copy_(outs, torch._foreach_add(params, grads, alpha=-lr))  # the gradients were all read above
+    torch._foreach_copy_(outs, torch._foreach_add(params, grads, alpha=-lr * extrapolation))  # all grads read above

@@ -127,6 +127,7 @@ class RoundContext:
     max_grad_norm: Optional[float] = None
     nonfinite: str = "skip"
     device_checks: bool = False  # CUDA path: checks become device flags, no host sync
+    extrapolation: float = 1.0  # estimate rounds: theta~ = theta + c * (Opt*(theta, g) - theta)
 
 
 @dataclass
@@ -310,13 +311,15 @@ def run_round(ctx: RoundContext, spec: RoundSpec) -> RoundResult:
             snapshot.stepped = True  # the optimizers' state exists now, for every tensor that keeps one
     if restore:
         snapshot.restore_where(undo, stepped, b.master)  # a flag was raised: as if no step
+    if snapshotted and ctx.extrapolation != 1.0:  # the stepped tensors' Opt*, extrapolated (undone: theta stays)
+        snapshot.extrapolate(b.master, wrapped.complement(computed), ctx.extrapolation)
     if computed and not skipped:
         # Opt* computed into the all-gather's input; theta and the state are only read. Without a staging
         # slice that input is the gradient slice itself: each chunk's gradient is read before it is overwritten
         # (the stepped optimizers above read theirs first). Around it, the master as it stands.
         source = b.staging if b.staging is not None else b.grad
         for part in computed:
-            functional.estimate_into(source, part.optimizer, part.tensors, b.master)
+            functional.estimate_into(source, part.optimizer, part.tensors, b.master, ctx.extrapolation)
         functional.copy_ranges(source, b.master, wrapped.complement(computed))
         if undo is not None:  # a flag was raised: the estimate is theta itself
             torch.where(undo, b.master.to(source.dtype), source, out=source)

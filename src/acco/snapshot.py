@@ -105,6 +105,16 @@ class OptimizerSnapshot:
             for key, value in saved.items():
                 torch.where(undo.to(value.device), value, state[key], out=state[key])
 
+    def extrapolate(self, master: torch.Tensor, ranges: Sequence[Tuple[int, int]], extrapolation: float) -> None:
+        """``master[a:b] = saved + c * (master[a:b] - saved)`` over ``ranges`` (one foreach lerp), ``saved`` what
+        :meth:`save` saw: a step taken since, extrapolated by ``c`` (``estimate_extrapolation``); where the
+        master did not move, it stays exactly as it is."""
+        assert self._master is not None, "extrapolate() without save()"
+        ranges = [(a, b) for a, b in ranges if b > a]
+        if ranges:
+            torch._foreach_lerp_([master[a:b] for a, b in ranges], [self._master[a:b] for a, b in ranges],
+                                 1.0 - extrapolation)
+
     def restore(self, parts: Sequence[Any], master: torch.Tensor) -> None:
         assert self._master is not None, "restore() without save()"
         master.copy_(self._master)
