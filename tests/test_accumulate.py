@@ -25,11 +25,12 @@ ROUNDS = 8
 KW = dict(lr=1e-2, weight_decay=0.1)
 
 
-def _accumulate_worker(rank: int, world: int, mode: str, max_mb) -> dict:
+def _accumulate_worker(rank: int, world: int, mode: str, max_mb, c: float = 1.0) -> dict:
     model = make_model()
     theta0 = [p.detach().clone() for p in model.parameters()]
     opt = AccoOptimizer(model.parameters(), mode=mode, accumulate_while_communicating=True, min_microbatches=1,
-                        max_microbatches=max_mb, estimate_dtype=None, **KW)  # the oracle's exact estimate
+                        max_microbatches=max_mb, estimate_dtype=None,  # the oracle's exact estimate
+                        estimate_extrapolation=c, **KW)
     counts, traj, mb, since = [], [], 0, 0
     while opt.num_rounds < ROUNDS:  # every rank hands off exactly ROUNDS rounds
         if rank == 1:
@@ -48,8 +49,8 @@ def _accumulate_worker(rank: int, world: int, mode: str, max_mb) -> dict:
 
 
 @functools.lru_cache(maxsize=None)
-def _results(mode: str, max_mb):
-    return run_ranks(_accumulate_worker, 2, mode, max_mb)
+def _results(mode: str, max_mb, c: float = 1.0):
+    return run_ranks(_accumulate_worker, 2, mode, max_mb, c)
 
 
 @pytest.mark.parametrize("mode", ["acco", "dpu"])
@@ -73,9 +74,11 @@ def test_fast_rank_accumulates_and_average_is_exact(mode):
 
 
 def test_unbounded_accumulation_exceeds_a_bound():
-    """Check that with max_microbatches=None the fast rank accumulates past 3 and stays exact."""
-    res = _results("acco", None)
+    """Check that with max_microbatches=None the fast rank accumulates past 3 and stays exact, here with the
+    estimate's step extrapolated (estimate_extrapolation=1.2: every estimate round of this loop applies it)."""
+    res = _results("acco", None, 1.2)
     fast, slow = res[0]["counts"], res[1]["counts"]
     assert max(fast) > 3, f"no bound, yet the fast rank never accumulated more than 3: {fast}"
-    _, ref_final = reference_run(res[0]["theta0"], lambda ps: torch.optim.AdamW(ps, **KW), "acco", grad_fn, [fast, slow])
+    _, ref_final = reference_run(res[0]["theta0"], lambda ps: torch.optim.AdamW(ps, **KW), "acco", grad_fn, [fast, slow],
+                                 estimate_extrapolation=1.2)
     assert rel_err(res[0]["final"], flat_list(ref_final)) < 1e-5
