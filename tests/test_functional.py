@@ -127,7 +127,7 @@ def test_estimate_round_equals_the_oracles_opt_star(name, cls, kw, c):
         assert torch.equal(opt.state[master][k], v) if torch.is_tensor(v) else opt.state[master][k] == v, k
 
 
-def estimate_round_ops(n_tensors: int) -> int:
+def estimate_round_ops(n_tensors: int, c: float = 1.0) -> int:
     """Ops the simulated device's side stream runs for one estimate round (AdamW, one process) of a model
     of ``n_tensors`` parameter tensors of 64 elements each."""
     import acco.device_api
@@ -140,7 +140,7 @@ def estimate_round_ops(n_tensors: int) -> int:
     try:
         with fake:
             params = [torch.nn.Parameter(torch.randn(64)) for _ in range(n_tensors)]
-            opt = AccoOptimizer(params, torch.optim.AdamW, microbatches_per_update=2, lr=1e-3)
+            opt = AccoOptimizer(params, torch.optim.AdamW, microbatches_per_update=2, lr=1e-3, estimate_extrapolation=c)
 
             def half():
                 sum((p * p).sum() for p in params).backward()
@@ -164,6 +164,12 @@ def test_estimate_round_ops_do_not_grow_with_the_number_of_tensors():
     small, large = estimate_round_ops(20), estimate_round_ops(200)
     print(f"side-stream ops per estimate round: 20 tensors {small}, 200 tensors {large}")
     assert large <= small + 10, (small, large)
+
+
+def test_an_extrapolated_estimate_issues_the_same_ops():
+    """estimate_extrapolation on the functional path is the step with c * lr: an estimate round issues exactly
+    the ops of the paper's estimate (its cost is nil by construction, not by a timing)."""
+    assert estimate_round_ops(20, 1.2) == estimate_round_ops(20, 1.0)
 
 
 def test_round_temporaries_bound_what_a_round_allocates_on_the_side_stream(monkeypatch):
