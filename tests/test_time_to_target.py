@@ -231,6 +231,22 @@ def test_the_report_says_what_the_time_goal_asks_of_each_side(tmp_path, losses, 
     assert [c.strip() for c in row.strip("|").split("|")][-2:] == [asks_time, "0.882"], row
 
 
+def test_speeds_from_several_files_compare_each_method_with_ddp_in_its_own_file(tmp_path):
+    """Each file is one benchmark run (its own link, machine and DDP): a method's time per update is its
+    per-repeat ratio to that file's DDP; a method in two files takes the first file's; an absent file is
+    skipped."""
+    ttt = _tool()
+    first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    _speed(first, [100.0, 100.0, 90.0], [125.0, 110.0, 120.0])  # acco: 0.8, 0.909, 0.75
+    rows = [("ddp", 50.0, 0), ("acco", 100.0, 0), ("acco-bf16", 62.5, 0), ("ddp", 40.0, 1), ("acco-bf16", 50.0, 1)]
+    second.write_text("".join(json.dumps({"method": m, "repeat": rep, "rate_mbit": 37.0, "tokens_per_s": tps}) + "\n"
+                              for m, tps, rep in rows))
+    sp = ttt.speeds([tmp_path / "absent.jsonl", first, second])
+    assert (sp["acco"]["time_per_update"], sp["acco"]["repeats"], sp["acco"]["file"]) == (0.8, 3, "a.jsonl")
+    assert (sp["acco-bf16"]["time_per_update"], sp["acco-bf16"]["min"], sp["acco-bf16"]["rate_mbit"]) == (0.8, 0.8, 37.0)
+    assert sp["ddp"]["file"] == "a.jsonl" and "acco-bf16-h3" not in sp
+
+
 def test_a_trunk_run_again_for_a_branch_is_recorded(tmp_path, monkeypatch):
     """A branch whose trunk checkpoint is gone runs the trunk again; that run is recorded too (it may be longer
     than the recorded one, whose gaps the report then reads), before the branch's own record."""

@@ -362,20 +362,23 @@ def _mean(xs):
     return statistics.fmean(xs) if xs else None
 
 
-def speeds(path: Path) -> Dict[str, dict]:
+def speeds(paths: List[Path]) -> Dict[str, dict]:
     """Time per update of each method on the testbed, relative to DDP's, from ``benchmarks/time_to_target.py
-    speed`` records (the study's loops, one link): per repeat, DDP's tokens/s over the method's (the same tokens
-    per update), then the median and range over repeats. Empty if the file is absent."""
-    if not path.exists():
-        return {}
-    recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-    by: Dict[tuple, float] = {(r["method"], r.get("repeat", 0)): r["tokens_per_s"] for r in recs}
-    out = {}
-    for method in METHODS:
-        ratios = [by[("ddp", rep)] / by[(m, rep)] for (m, rep) in by if m == method and ("ddp", rep) in by]
-        if ratios:
-            out[method] = {"time_per_update": statistics.median(ratios), "min": min(ratios), "max": max(ratios),
-                           "repeats": len(ratios), "rate_mbit": recs[0].get("rate_mbit")}
+    speed`` records (the study's loops, one link per file): per repeat, DDP's tokens/s over the method's in the
+    same file (the same tokens per update), then the median and range over repeats. A method measured in
+    several files takes the first file's. Files that are absent are skipped."""
+    out: Dict[str, dict] = {}
+    for path in paths:
+        if not path.exists():
+            continue
+        recs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        by: Dict[tuple, float] = {(r["method"], r.get("repeat", 0)): r["tokens_per_s"] for r in recs}
+        for method in METHODS:
+            ratios = [by[("ddp", rep)] / by[(m, rep)] for (m, rep) in by if m == method and ("ddp", rep) in by]
+            if ratios and method not in out:
+                out[method] = {"time_per_update": statistics.median(ratios), "min": min(ratios),
+                               "max": max(ratios), "repeats": len(ratios), "rate_mbit": recs[0].get("rate_mbit"),
+                               "file": path.name}
     return out
 
 
@@ -542,10 +545,10 @@ def report_markdown(s: dict, args: argparse.Namespace, speed: Dict[str, dict]) -
                        + " | ".join(cell(c) for c in tg["val"][m]) + " |")
     # time to target, composed
     if speed:
-        out += ["", f"Time to target, composed: the updates ratio times the method's time per update over DDP's on "
-                f"the netns testbed ({speed['ddp']['rate_mbit']:g} Mbit/s per rank, a round about half an update's "
-                "compute; `docs/benchmarks.md` §9), median [range] over "
-                f"{speed['ddp']['repeats']} interleaved repeats:", "",
+        out += ["", "Time to target, composed: the updates ratio times the method's time per update over DDP's on "
+                "the netns testbed (the link where a round lasts about half an update's compute on the machine that "
+                "measured it; `docs/benchmarks.md` §9), median [range] over interleaved repeats, each method "
+                "against DDP in the same benchmark run (its link and repeats in the column):", "",
                 f"The last two columns are what a time to target of {GOAL_TIME:g}x DDP's would ask: of the time per "
                 "update, at the mean updates ratio measured; of the updates ratio, at the median time per update "
                 "measured (below 1: fewer updates than DDP itself).", "",
@@ -563,8 +566,8 @@ def report_markdown(s: dict, args: argparse.Namespace, speed: Dict[str, dict]) -
             asks = mean_cell([r["result"] for r in done], fmt=lambda x: f"{GOAL_TIME / x:.3f}")
             asks = asks.replace("≤", "≥", 1) if asks.startswith("≤") else asks.replace("≥", "≤", 1)
             out.append(f"| {LABELS.get(m, m)} | {lr_cell(lr, best.get((w, t, f)))} | {w} | {t} | {f:g} "
-                       f"| {sp['time_per_update']:.3f} "
-                       f"[{sp['min']:.3f}–{sp['max']:.3f}] | {cells} | {mean} | {asks} "
+                       f"| {sp['time_per_update']:.3f} [{sp['min']:.3f}–{sp['max']:.3f}] "
+                       f"({sp['rate_mbit']:g} Mbit/s, {sp['repeats']} repeats) | {cells} | {mean} | {asks} "
                        f"| {GOAL_TIME / sp['time_per_update']:.3f} |")
     out += ["", "![loss against run length](convergence_ttt.png)", "", END]
     return "\n".join(out)
@@ -632,8 +635,11 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--records", type=Path, default=ROOT / "docs" / "convergence_data" / "time_to_target.jsonl")
     p.add_argument("--doc", type=Path, default=ROOT / "docs" / "convergence.md")
     p.add_argument("--workdir", type=Path, default=ROOT / "runs" / "time_to_target")
-    p.add_argument("--speed", type=Path, default=ROOT / "docs" / "benchmarks_data" / "time_to_target_speed.jsonl",
-                   help="benchmarks/time_to_target.py speed records of these methods on the testbed (time per update)")
+    p.add_argument("--speed", type=Path, nargs="+",
+                   default=[ROOT / "docs" / "benchmarks_data" / f"time_to_target_speed{x}.jsonl"
+                            for x in ("", "_extrap", "_h3")],
+                   help="benchmarks/time_to_target.py speed records of these methods on the testbed (time per "
+                        "update); a method in several files takes the first's")
     p.add_argument("--methods", type=lambda s: s.split(","), default=["ddp", "acco", "acco-bf16"])
     p.add_argument("--lr", type=float, default=4e-3,
                    help="DDP's best LR under this schedule (4e-3 at warm-up 100, 3 seeds): every method runs here")
