@@ -40,7 +40,7 @@ def _setup(cls, kw, seed, chunk):
 @pytest.mark.parametrize("name,cls,kw", CASES, ids=[c[0] for c in CASES])
 @pytest.mark.parametrize("steps_before", [0, 3])
 @pytest.mark.parametrize("into_grad", [False, True], ids=["own-output", "into-grad"])
-@pytest.mark.parametrize("c", [1.0, 1.3], ids=["step", "extrapolated-1.3"])
+@pytest.mark.parametrize("c", [1.0, 1.3, 0.4], ids=["step", "extrapolated-1.3", "damped-0.4"])
 def test_estimate_equals_the_optimizers_step_and_changes_nothing(name, cls, kw, steps_before, into_grad, c, monkeypatch):
     """Opt*, or with ``c`` (estimate_extrapolation) ``theta + c * (Opt* - theta)``, against the real step."""
     monkeypatch.setattr(functional, "CHUNK", 5)  # several chunks per piece
@@ -71,7 +71,7 @@ def test_estimate_equals_the_optimizers_step_and_changes_nothing(name, cls, kw, 
                 assert torch.equal(opt.state[p][k], v) if torch.is_tensor(v) else opt.state[p][k] == v
         opt.step()  # the real step: what the estimate must equal (extrapolated by c)
         want = before_master + c * (master - before_master)
-        assert torch.allclose(out, want, rtol=1e-6, atol=1e-6), (out - want).abs().max()
+        assert torch.allclose(out, want, rtol=1e-6, atol=1e-7 if c == 1.0 else 1e-6), (out - want).abs().max()
 
 
 @pytest.mark.parametrize("cls,kw", [(torch.optim.AdamW, dict(amsgrad=True)), (torch.optim.Adam, dict(maximize=True)),
@@ -91,7 +91,7 @@ ROUND_CASES = [
 
 
 @pytest.mark.parametrize("name,cls,kw", ROUND_CASES, ids=[c[0] for c in ROUND_CASES])
-@pytest.mark.parametrize("c", [1.0, 1.2], ids=["step", "extrapolated-1.2"])
+@pytest.mark.parametrize("c", [1.0, 1.2, 0.4], ids=["step", "extrapolated-1.2", "damped-0.4"])
 def test_estimate_round_equals_the_oracles_opt_star(name, cls, kw, c):
     """A whole ESTIMATE round (one process: the collectives are copies) gives the oracle's Opt*(theta, g), by the
     snapshot or the functional way, and leaves the master slice and the optimizer state as they were."""
@@ -127,7 +127,7 @@ def test_estimate_round_equals_the_oracles_opt_star(name, cls, kw, c):
         assert torch.equal(opt.state[master][k], v) if torch.is_tensor(v) else opt.state[master][k] == v, k
 
 
-def estimate_round_ops(n_tensors: int, c: float = 1.0) -> int:
+def estimate_round_ops(n_tensors: int, c: float = 1.0, fused: bool = False) -> int:
     """Ops the simulated device's side stream runs for one estimate round (AdamW, one process) of a model
     of ``n_tensors`` parameter tensors of 64 elements each."""
     import acco.device_api
@@ -140,7 +140,8 @@ def estimate_round_ops(n_tensors: int, c: float = 1.0) -> int:
     try:
         with fake:
             params = [torch.nn.Parameter(torch.randn(64)) for _ in range(n_tensors)]
-            opt = AccoOptimizer(params, torch.optim.AdamW, microbatches_per_update=2, lr=1e-3, estimate_extrapolation=c)
+            opt = AccoOptimizer(params, torch.optim.AdamW, microbatches_per_update=2, lr=1e-3, estimate_extrapolation=c,
+                                fused=fused)
 
             def half():
                 sum((p * p).sum() for p in params).backward()
@@ -166,10 +167,12 @@ def test_estimate_round_ops_do_not_grow_with_the_number_of_tensors():
     assert large <= small + 10, (small, large)
 
 
-def test_an_extrapolated_estimate_issues_the_same_ops():
+@pytest.mark.parametrize("fused", [False, True], ids=["host-count", "fused-device-count"])
+def test_an_extrapolated_estimate_issues_the_same_ops(fused):
     """estimate_extrapolation on the functional path is the step with c * lr: an estimate round issues exactly
-    the ops of the paper's estimate (its cost is nil by construction, not by a timing)."""
-    assert estimate_round_ops(20, 1.2) == estimate_round_ops(20, 1.0)
+    the ops of the paper's estimate (its cost is nil by construction, not by a timing), also where Adam's step
+    count is on the device (fused; on CUDA, plain AdamW is made capturable) and its scalars are device tensors."""
+    assert estimate_round_ops(20, 1.2, fused) == estimate_round_ops(20, 1.0, fused)
 
 
 def test_round_temporaries_bound_what_a_round_allocates_on_the_side_stream(monkeypatch):

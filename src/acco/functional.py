@@ -109,11 +109,12 @@ def estimate_into(
             # A host-side count gives plain numbers, computed per batch (reading the count there is also
             # where the simulated device of tests/fake_cuda.py runs the queued batches and frees their
             # temporaries, which the caching allocator would reuse on the stream at once).
-            once = _adam_scalars(step, group) if adam and stateful and _device_count(step, group) else None
+            once = _adam_scalars(step, group, extrapolation) if adam and stateful and _device_count(step, group) else None
             for batch in _batches(rows, chunk_elements(master)):
                 columns = [list(c) for c in zip(*batch)]
                 if adam:
-                    scalars = once if once is not None else _adam_scalars(step if stateful else None, group)
+                    scalars = once if once is not None else _adam_scalars(step if stateful else None, group,
+                                                                          extrapolation)
                     _adam(*columns[:3], columns[3:] if stateful else None, scalars, group, extrapolation)
                 else:
                     _sgd(*columns[:3], columns[3] if stateful else None, group, extrapolation)
@@ -149,24 +150,25 @@ def _device_count(step_t: Optional[torch.Tensor], g: Dict[str, Any]) -> bool:
     return step_t is not None and bool(g.get("capturable") or g.get("fused"))
 
 
-def _adam_scalars(step_t: Optional[torch.Tensor], g: Dict[str, Any]) -> Tuple[Any, Any]:
-    """Adam's ``(sqrt(1 - beta2^t), lr / (1 - beta1^t))`` for the step that ``step_t`` (the state's count, or
-    None before the first step) is about to take: numbers, or device scalars for a device-side count."""
+def _adam_scalars(step_t: Optional[torch.Tensor], g: Dict[str, Any], extrapolation: float = 1.0) -> Tuple[Any, Any]:
+    """Adam's ``(sqrt(1 - beta2^t), c * lr / (1 - beta1^t))`` for the step that ``step_t`` (the state's count, or
+    None before the first step) is about to take: numbers, or device scalars for a device-side count (``c``,
+    the extrapolation, folded into the host number ``c * lr``: no kernel of its own)."""
     beta1, beta2 = g["betas"]
     if _device_count(step_t, g):  # the counter is on the device: stay there
         step = step_t.to(torch.float32) + 1
     else:  # a host-side counter (torch keeps it on the CPU), or none yet
         step = (float(step_t) if step_t is not None else 0.0) + 1.0
     bc2_sqrt = (1 - beta2**step) ** 0.5  # a number, or a device scalar: the same arithmetic either way
-    return bc2_sqrt, g["lr"] / (1 - beta1**step)
+    return bc2_sqrt, g["lr"] * extrapolation / (1 - beta1**step)
 
 
 def _adam(outs: List[torch.Tensor], params: List[torch.Tensor], grads: List[torch.Tensor],
           moments: Optional[List[List[torch.Tensor]]], scalars: Tuple[Any, Any], g: Dict[str, Any],
           extrapolation: float = 1.0) -> None:
     """torch.optim.Adam(W)'s step (the single-tensor arithmetic), into ``outs``; ``moments``: [exp_avg's,
-    exp_avg_sq's], or None before the first step; ``scalars``: :func:`_adam_scalars` of the group;
-    ``extrapolation``: ``c``, the step taken ``c`` times (``lr`` scaled by ``c``, in the decay too)."""
+    exp_avg_sq's], or None before the first step; ``scalars``: :func:`_adam_scalars` of the group, with ``c``;
+    ``extrapolation``: that ``c``, the step taken ``c`` times (here: in the decoupled decay)."""
     beta1, beta2 = g["betas"]
     lr, eps, wd = g["lr"], g["eps"], g["weight_decay"]
     decoupled = g.get("decoupled_weight_decay", False)
@@ -183,7 +185,7 @@ def _adam(outs: List[torch.Tensor], params: List[torch.Tensor], grads: List[torc
     torch._foreach_div_(denom, bc2_sqrt)
     torch._foreach_add_(denom, eps)
     torch._foreach_div_(m, denom)
-    torch._foreach_mul_(m, step_size * extrapolation if extrapolation != 1.0 else step_size)
+    torch._foreach_mul_(m, step_size)
     theta = torch._foreach_mul(params, 1 - extrapolation * lr * wd) if wd != 0 and decoupled else params
     torch._foreach_copy_(outs, torch._foreach_sub(theta, m))  # the gradients were all read above
 

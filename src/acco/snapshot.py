@@ -108,7 +108,8 @@ class OptimizerSnapshot:
     def extrapolate(self, master: torch.Tensor, ranges: Sequence[Tuple[int, int]], extrapolation: float) -> None:
         """``master[a:b] = saved + c * (master[a:b] - saved)`` over ``ranges`` (one foreach lerp), ``saved`` what
         :meth:`save` saw: a step taken since, extrapolated by ``c`` (``estimate_extrapolation``); where the
-        master did not move, it stays exactly as it is."""
+        master did not move, it stays exactly as it is (finite values: an infinite weight becomes NaN, but its
+        gradient is not finite, and such a round is skipped before this)."""
         assert self._master is not None, "extrapolate() without save()"
         ranges = [(a, b) for a, b in ranges if b > a]
         if ranges:
