@@ -223,8 +223,8 @@ def test_the_report_says_what_the_time_goal_asks_of_each_side(tmp_path, losses, 
             "train_loss": [], "wall_s": 1.0}
     rs = [dict(base, kind="branch", method="ddp", T=12, start=10, final_val_loss=2.0)]
     rs += [dict(base, kind="branch", method="acco", T=t, start=round(0.8 * t), final_val_loss=v) for t, v in losses.items()]
-    speed = {"ddp": {"time_per_update": 1.0, "min": 1.0, "max": 1.0, "repeats": 3, "rate_mbit": 67.0},
-             "acco": {"time_per_update": 0.85, "min": 0.8, "max": 0.9, "repeats": 3, "rate_mbit": 67.0}}
+    speed = {"ddp": [{"time_per_update": 1.0, "min": 1.0, "max": 1.0, "repeats": 3, "rate_mbit": 67.0}],
+             "acco": [{"time_per_update": 0.85, "min": 0.8, "max": 0.9, "repeats": 3, "rate_mbit": 67.0}]}
     text = ttt.report_markdown(ttt.summarize(rs, args), args, speed)
     assert "| 0.75x asks: time per update | 0.75x asks: updates ratio |" in text
     row = next(x for x in text.splitlines() if x.startswith("| ACCO | 0.002 | 2 | 12 | 0 | 0.850 [0.800–0.900]"))
@@ -233,8 +233,8 @@ def test_the_report_says_what_the_time_goal_asks_of_each_side(tmp_path, losses, 
 
 def test_speeds_from_several_files_compare_each_method_with_ddp_in_its_own_file(tmp_path):
     """Each file is one benchmark run (its own link, machine and DDP): a method's time per update is its
-    per-repeat ratio to that file's DDP; a method in two files takes the first file's; an absent file is
-    skipped."""
+    per-repeat ratio to that file's DDP; a method in two files has an entry for each, in the files' order; an
+    absent file is skipped."""
     ttt = _tool()
     first, second = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
     _speed(first, [100.0, 100.0, 90.0], [125.0, 110.0, 120.0])  # acco: 0.8, 0.909, 0.75
@@ -242,9 +242,31 @@ def test_speeds_from_several_files_compare_each_method_with_ddp_in_its_own_file(
     second.write_text("".join(json.dumps({"method": m, "repeat": rep, "rate_mbit": 37.0, "tokens_per_s": tps}) + "\n"
                               for m, tps, rep in rows))
     sp = ttt.speeds([tmp_path / "absent.jsonl", first, second])
-    assert (sp["acco"]["time_per_update"], sp["acco"]["repeats"], sp["acco"]["file"]) == (0.8, 3, "a.jsonl")
-    assert (sp["acco-bf16"]["time_per_update"], sp["acco-bf16"]["min"], sp["acco-bf16"]["rate_mbit"]) == (0.8, 0.8, 37.0)
-    assert sp["ddp"]["file"] == "a.jsonl" and "acco-bf16-h3" not in sp
+    assert [(e["time_per_update"], e["repeats"], e["file"], e["rate_mbit"]) for e in sp["acco"]] == [
+        (0.8, 3, "a.jsonl", 67.0), (0.5, 1, "b.jsonl", 37.0)]
+    assert [(e["time_per_update"], e["min"], e["rate_mbit"]) for e in sp["acco-bf16"]] == [(0.8, 0.8, 37.0)]
+    assert [e["file"] for e in sp["ddp"]] == ["a.jsonl", "b.jsonl"] and "acco-bf16-h3" not in sp
+
+
+def test_the_composed_table_has_a_row_per_link_a_method_was_timed_at(tmp_path):
+    """A method timed in two benchmark runs (two links) gets a composed row for each, each with that run's time
+    per update: the report never picks one link's figure for a method and another's for its rival."""
+    ttt = _tool()
+    args = ttt.parse([*TINY, "--records", str(tmp_path / "r.jsonl"), "--doc", str(tmp_path / "d.md"),
+                      "--speed", str(tmp_path / "none.jsonl")])
+    base = {"lr": 2e-3, "warmup": 2, "seed": 0, "config": ttt.config_of(args), "floor": 0.0, "val": [],
+            "train_loss": [], "wall_s": 1.0}
+    rs = [dict(base, kind="branch", method="ddp", T=12, start=10, final_val_loss=2.0)]
+    rs += [dict(base, kind="branch", method="acco", T=t, start=round(0.8 * t), final_val_loss=v)
+           for t, v in {11: 2.02, 12: 2.01, 13: 1.99}.items()]
+    speed = {"acco": [{"time_per_update": 0.8, "min": 0.8, "max": 0.8, "repeats": 3, "rate_mbit": 67.0},
+                      {"time_per_update": 0.7, "min": 0.7, "max": 0.7, "repeats": 3, "rate_mbit": 37.0}]}
+    text = ttt.report_markdown(ttt.summarize(rs, args), args, speed)
+    rows = [x for x in text.splitlines() if x.startswith("| ACCO | 0.002 | 2 | 12 | 0 | 0.")]
+    assert [r.split("|")[6].strip() for r in rows] == ["0.800 [0.800–0.800] (67 Mbit/s, 3 repeats)",
+                                                       "0.700 [0.700–0.700] (37 Mbit/s, 3 repeats)"], rows
+    # 12.5 updates of DDP's 12: ratio 1.0417, times each link's time per update
+    assert [r.split("|")[8].strip() for r in rows] == ["0.833", "0.729"], rows
 
 
 def test_a_trunk_run_again_for_a_branch_is_recorded(tmp_path, monkeypatch):

@@ -362,12 +362,14 @@ def _mean(xs):
     return statistics.fmean(xs) if xs else None
 
 
-def speeds(paths: List[Path]) -> Dict[str, dict]:
+def speeds(paths: List[Path]) -> Dict[str, List[dict]]:
     """Time per update of each method on the testbed, relative to DDP's, from ``benchmarks/time_to_target.py
     speed`` records (the study's loops, one link per file): per repeat, DDP's tokens/s over the method's in the
     same file (the same tokens per update), then the median and range over repeats. A method measured in
-    several files takes the first file's. Files that are absent are skipped."""
-    out: Dict[str, dict] = {}
+    several files has one entry per file, in the files' order: each file is its own link and machine, so the
+    composed table shows each, never one file's method against another file's. Files that are absent are
+    skipped."""
+    out: Dict[str, List[dict]] = {}
     for path in paths:
         if not path.exists():
             continue
@@ -375,10 +377,10 @@ def speeds(paths: List[Path]) -> Dict[str, dict]:
         by: Dict[tuple, float] = {(r["method"], r.get("repeat", 0)): r["tokens_per_s"] for r in recs}
         for method in METHODS:
             ratios = [by[("ddp", rep)] / by[(m, rep)] for (m, rep) in by if m == method and ("ddp", rep) in by]
-            if ratios and method not in out:
-                out[method] = {"time_per_update": statistics.median(ratios), "min": min(ratios),
-                               "max": max(ratios), "repeats": len(ratios), "rate_mbit": recs[0].get("rate_mbit"),
-                               "file": path.name}
+            if ratios:
+                out.setdefault(method, []).append(
+                    {"time_per_update": statistics.median(ratios), "min": min(ratios), "max": max(ratios),
+                     "repeats": len(ratios), "rate_mbit": recs[0].get("rate_mbit"), "file": path.name})
     return out
 
 
@@ -472,7 +474,7 @@ def lr_cell(lr: float, best: Optional[Tuple[float, List[float]]]) -> str:
     return f"{lr:g}" if best is None or best[0] == lr else f"{lr:g} (DDP's best: {best[0]:g})"
 
 
-def report_markdown(s: dict, args: argparse.Namespace, speed: Dict[str, dict]) -> str:
+def report_markdown(s: dict, args: argparse.Namespace, speed: Dict[str, List[dict]]) -> str:
     cfg = config_of(args)
     all_lrs = list(dict.fromkeys([args.lr] + args.ddp_lrs + args.acco_lrs))
     tokens = args.batch_size * args.block_size * args.accum * 2
@@ -548,26 +550,31 @@ def report_markdown(s: dict, args: argparse.Namespace, speed: Dict[str, dict]) -
         out += ["", "Time to target, composed: the updates ratio times the method's time per update over DDP's on "
                 "the netns testbed (the link where a round lasts about half an update's compute on the machine that "
                 "measured it; `docs/benchmarks.md` §9), median [range] over interleaved repeats, each method "
-                "against DDP in the same benchmark run (its link and repeats in the column):", "",
+                "against DDP in the same benchmark run (its link and repeats in the column; a method measured in "
+                "several runs has a row for each, and rows compare only at the same link; a setting has rows once a "
+                "seed has its updates ratio):", "",
                 f"The last two columns are what a time to target of {GOAL_TIME:g}x DDP's would ask: of the time per "
                 "update, at the mean updates ratio measured; of the updates ratio, at the median time per update "
                 "measured (below 1: fewer updates than DDP itself).", "",
                 "| method | LR | warm-up | T | floor | time per update vs DDP | time to target vs DDP, per seed | mean "
                 f"| {GOAL_TIME:g}x asks: time per update | {GOAL_TIME:g}x asks: updates ratio |",
                 "|---|---|---|---|---|---|---|---|---|---|"]
-        for (m, lr, w, t, f), rs in sorted(groups.items(), key=order):
-            sp = speed.get(m)
-            if sp is None or w != args.warmups[0]:
+        for ((m, lr, w, t, f), rs), sp in ((g, sp) for g in sorted(groups.items(), key=order)
+                                           for sp in speed.get(g[0][0], [])):
+            if w != args.warmups[0]:
                 continue
             done = [r for r in sorted(rs, key=lambda r: r["seed"]) if r["result"] is not None]
-            cells = ", ".join(f"s{r['seed']} {bounded_text(r['result'], sp['time_per_update'])}" for r in done) or "—"
+            if not done:  # no seed has an updates ratio to compose (its time per update is in the rows that do)
+                continue
+            cells = ", ".join(f"s{r['seed']} {bounded_text(r['result'], sp['time_per_update'])}" for r in done)
             mean = mean_cell([r["result"] for r in done], fmt=lambda x: f"{x * sp['time_per_update']:.3f}")
             # a mean that is a bound (a seed beyond the lengths searched) bounds what it asks the other way round
             asks = mean_cell([r["result"] for r in done], fmt=lambda x: f"{GOAL_TIME / x:.3f}")
             asks = asks.replace("≤", "≥", 1) if asks.startswith("≤") else asks.replace("≥", "≤", 1)
+            where = f", `{sp['file']}`" if sp.get("file") else ""  # two runs at one link differ by their file
             out.append(f"| {LABELS.get(m, m)} | {lr_cell(lr, best.get((w, t, f)))} | {w} | {t} | {f:g} "
                        f"| {sp['time_per_update']:.3f} [{sp['min']:.3f}–{sp['max']:.3f}] "
-                       f"({sp['rate_mbit']:g} Mbit/s, {sp['repeats']} repeats) | {cells} | {mean} | {asks} "
+                       f"({sp['rate_mbit']:g} Mbit/s, {sp['repeats']} repeats{where}) | {cells} | {mean} | {asks} "
                        f"| {GOAL_TIME / sp['time_per_update']:.3f} |")
     out += ["", "![loss against run length](convergence_ttt.png)", "", END]
     return "\n".join(out)
