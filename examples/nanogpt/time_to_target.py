@@ -646,7 +646,7 @@ def parse(argv=None) -> argparse.Namespace:
                    default=[ROOT / "docs" / "benchmarks_data" / f"time_to_target_speed{x}.jsonl"
                             for x in ("", "_extrap", "_h3")],
                    help="benchmarks/time_to_target.py speed records of these methods on the testbed (time per "
-                        "update); a method in several files takes the first's")
+                        "update), one benchmark run per file; a method in several files gets a composed row for each")
     p.add_argument("--methods", type=lambda s: s.split(","), default=["ddp", "acco", "acco-bf16"])
     p.add_argument("--lr", type=float, default=4e-3,
                    help="DDP's best LR under this schedule (4e-3 at warm-up 100, 3 seeds): every method runs here")
