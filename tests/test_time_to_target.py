@@ -210,22 +210,29 @@ def test_gap_ranges_halve_the_warmup_then_double_to_the_trunks_end():
     assert ttt.gap_ranges(20, 10) == [(0, 10)]
 
 
-@pytest.mark.parametrize("losses,asks_time", [({12: 2.1, 13: 1.9}, "0.720"),                 # 12.5 / 12 updates
-                                              ({11: 2.2, 12: 2.1, 13: 2.05, 14: 2.01}, "≤ 0.643")])  # ≥ 14 / 12
-def test_the_report_says_what_the_time_goal_asks_of_each_side(tmp_path, losses, asks_time):
-    """The composed-time table's last two columns: the time per update that 0.75x DDP's time to target would
-    need at the measured mean updates ratio (0.75 / ratio: a bound where the ratio is one, on the other side),
-    and the updates ratio it would need at the measured median time per update (0.75 / 0.85)."""
+def _composed(tmp_path, acco_losses: dict, speed: dict) -> str:
+    """The report of one seed at LR 0.002: DDP's branch of 12 updates ending at 2.0, and ACCO's branches
+    ``{T: loss}``, composed with ``speed``."""
     ttt = _tool()
     args = ttt.parse([*TINY, "--records", str(tmp_path / "r.jsonl"), "--doc", str(tmp_path / "d.md"),
                       "--speed", str(tmp_path / "none.jsonl")])
     base = {"lr": 2e-3, "warmup": 2, "seed": 0, "config": ttt.config_of(args), "floor": 0.0, "val": [],
             "train_loss": [], "wall_s": 1.0}
     rs = [dict(base, kind="branch", method="ddp", T=12, start=10, final_val_loss=2.0)]
-    rs += [dict(base, kind="branch", method="acco", T=t, start=round(0.8 * t), final_val_loss=v) for t, v in losses.items()]
+    rs += [dict(base, kind="branch", method="acco", T=t, start=round(0.8 * t), final_val_loss=v)
+           for t, v in acco_losses.items()]
+    return ttt.report_markdown(ttt.summarize(rs, args), args, speed)
+
+
+@pytest.mark.parametrize("losses,asks_time", [({12: 2.1, 13: 1.9}, "0.720"),                 # 12.5 / 12 updates
+                                              ({11: 2.2, 12: 2.1, 13: 2.05, 14: 2.01}, "≤ 0.643")])  # ≥ 14 / 12
+def test_the_report_says_what_the_time_goal_asks_of_each_side(tmp_path, losses, asks_time):
+    """The composed-time table's last two columns: the time per update that 0.75x DDP's time to target would
+    need at the measured mean updates ratio (0.75 / ratio: a bound where the ratio is one, on the other side),
+    and the updates ratio it would need at the measured median time per update (0.75 / 0.85)."""
     speed = {"ddp": [{"time_per_update": 1.0, "min": 1.0, "max": 1.0, "repeats": 3, "rate_mbit": 67.0}],
              "acco": [{"time_per_update": 0.85, "min": 0.8, "max": 0.9, "repeats": 3, "rate_mbit": 67.0}]}
-    text = ttt.report_markdown(ttt.summarize(rs, args), args, speed)
+    text = _composed(tmp_path, losses, speed)
     assert "| 0.75x asks: time per update | 0.75x asks: updates ratio |" in text
     row = next(x for x in text.splitlines() if x.startswith("| ACCO | 0.002 | 2 | 12 | 0 | 0.850 [0.800–0.900]"))
     assert [c.strip() for c in row.strip("|").split("|")][-2:] == [asks_time, "0.882"], row
@@ -251,17 +258,9 @@ def test_speeds_from_several_files_compare_each_method_with_ddp_in_its_own_file(
 def test_the_composed_table_has_a_row_per_link_a_method_was_timed_at(tmp_path):
     """A method timed in two benchmark runs (two links) gets a composed row for each, each with that run's time
     per update: the report never picks one link's figure for a method and another's for its rival."""
-    ttt = _tool()
-    args = ttt.parse([*TINY, "--records", str(tmp_path / "r.jsonl"), "--doc", str(tmp_path / "d.md"),
-                      "--speed", str(tmp_path / "none.jsonl")])
-    base = {"lr": 2e-3, "warmup": 2, "seed": 0, "config": ttt.config_of(args), "floor": 0.0, "val": [],
-            "train_loss": [], "wall_s": 1.0}
-    rs = [dict(base, kind="branch", method="ddp", T=12, start=10, final_val_loss=2.0)]
-    rs += [dict(base, kind="branch", method="acco", T=t, start=round(0.8 * t), final_val_loss=v)
-           for t, v in {11: 2.02, 12: 2.01, 13: 1.99}.items()]
     speed = {"acco": [{"time_per_update": 0.8, "min": 0.8, "max": 0.8, "repeats": 3, "rate_mbit": 67.0},
                       {"time_per_update": 0.7, "min": 0.7, "max": 0.7, "repeats": 3, "rate_mbit": 37.0}]}
-    text = ttt.report_markdown(ttt.summarize(rs, args), args, speed)
+    text = _composed(tmp_path, {11: 2.02, 12: 2.01, 13: 1.99}, speed)
     rows = [x for x in text.splitlines() if x.startswith("| ACCO | 0.002 | 2 | 12 | 0 | 0.")]
     assert [r.split("|")[6].strip() for r in rows] == ["0.800 [0.800–0.800] (67 Mbit/s, 3 repeats)",
                                                        "0.700 [0.700–0.700] (37 Mbit/s, 3 repeats)"], rows
