@@ -559,23 +559,21 @@ def report_markdown(s: dict, args: argparse.Namespace, speed: Dict[str, List[dic
                 "| method | LR | warm-up | T | floor | time per update vs DDP | time to target vs DDP, per seed | mean "
                 f"| {GOAL_TIME:g}x asks: time per update | {GOAL_TIME:g}x asks: updates ratio |",
                 "|---|---|---|---|---|---|---|---|---|---|"]
-        for ((m, lr, w, t, f), rs), sp in ((g, sp) for g in sorted(groups.items(), key=order)
-                                           for sp in speed.get(g[0][0], [])):
-            if w != args.warmups[0]:
-                continue
+        for (m, lr, w, t, f), rs in sorted(groups.items(), key=order):
             done = [r for r in sorted(rs, key=lambda r: r["seed"]) if r["result"] is not None]
-            if not done:  # no seed has an updates ratio to compose (its time per update is in the rows that do)
+            if w != args.warmups[0] or not done:  # no seed has an updates ratio to compose
                 continue
-            cells = ", ".join(f"s{r['seed']} {bounded_text(r['result'], sp['time_per_update'])}" for r in done)
-            mean = mean_cell([r["result"] for r in done], fmt=lambda x: f"{x * sp['time_per_update']:.3f}")
             # a mean that is a bound (a seed beyond the lengths searched) bounds what it asks the other way round
             asks = mean_cell([r["result"] for r in done], fmt=lambda x: f"{GOAL_TIME / x:.3f}")
             asks = asks.replace("≤", "≥", 1) if asks.startswith("≤") else asks.replace("≥", "≤", 1)
-            where = f", `{sp['file']}`" if sp.get("file") else ""  # two runs at one link differ by their file
-            out.append(f"| {LABELS.get(m, m)} | {lr_cell(lr, best.get((w, t, f)))} | {w} | {t} | {f:g} "
-                       f"| {sp['time_per_update']:.3f} [{sp['min']:.3f}–{sp['max']:.3f}] "
-                       f"({sp['rate_mbit']:g} Mbit/s, {sp['repeats']} repeats{where}) | {cells} | {mean} | {asks} "
-                       f"| {GOAL_TIME / sp['time_per_update']:.3f} |")
+            for sp in speed.get(m, []):  # a row per benchmark run: a run's method only against its own DDP
+                cells = ", ".join(f"s{r['seed']} {bounded_text(r['result'], sp['time_per_update'])}" for r in done)
+                mean = mean_cell([r["result"] for r in done], fmt=lambda x: f"{x * sp['time_per_update']:.3f}")
+                where = f", `{sp['file']}`" if sp.get("file") else ""  # two runs at one link differ by their file
+                out.append(f"| {LABELS.get(m, m)} | {lr_cell(lr, best.get((w, t, f)))} | {w} | {t} | {f:g} "
+                           f"| {sp['time_per_update']:.3f} [{sp['min']:.3f}–{sp['max']:.3f}] "
+                           f"({sp['rate_mbit']:g} Mbit/s, {sp['repeats']} repeats{where}) | {cells} | {mean} "
+                           f"| {asks} | {GOAL_TIME / sp['time_per_update']:.3f} |")
     out += ["", "![loss against run length](convergence_ttt.png)", "", END]
     return "\n".join(out)
 
