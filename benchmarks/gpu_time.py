@@ -24,12 +24,13 @@ import acco  # noqa: E402
 from acco import AccoOptimizer  # noqa: E402
 from gpu_check import batches, make_model, synchronize  # noqa: E402
 
-CONFIGS = ["adamw", "adamw-fused", "sync", "dpu", "acco", "acco-fused", "acco-nocap"]
+CONFIGS = ["adamw", "adamw-fused", "sync", "dpu", "acco", "acco-fused", "acco-nocap", "acco-extrap",
+           "acco-fused-extrap"]
 
 
 def build(name: str, width: int, layers: int, device: str, m: int):
-    """``adamw[-fused]``: torch's AdamW; ``MODE[-fused|-nocap]``: AccoOptimizer over AdamW (``fused=True``;
-    ``capturable=False``: the host decides a skipped round, one sync per round)."""
+    """``adamw[-fused]``: torch's AdamW; ``MODE[-fused|-nocap][-extrap]``: AccoOptimizer over AdamW (``fused=True``;
+    ``capturable=False``: the host decides a skipped round, one sync per round; ``estimate_extrapolation=1.2``)."""
     model = make_model(width, layers, device)
     cuda = device.startswith("cuda")
     if name.startswith("adamw"):
@@ -38,6 +39,8 @@ def build(name: str, width: int, layers: int, device: str, m: int):
     kw = {"fused": True} if "fused" in rest and cuda else {}
     if "nocap" in rest and cuda:
         kw["capturable"] = False
+    if "extrap" in rest:
+        kw["estimate_extrapolation"] = 1.2
     return model, AccoOptimizer(model.parameters(), mode=mode, microbatches_per_update=m, lr=1e-4, **kw)
 
 
@@ -90,7 +93,7 @@ def main() -> None:
     for c in configs:
         w, b, s = (statistics.median(x[i] for x in res[c]) * 1e3 for i in range(3))
         lo, hi = min(x[0] for x in res[c]) * 1e3, max(x[0] for x in res[c]) * 1e3
-        print(f"  {c:12s} {w:8.2f} | {b:8.2f} | {s:8.2f}   (wall range {lo:.2f}-{hi:.2f})")
+        print(f"  {c:18s} {w:8.2f} | {b:8.2f} | {s:8.2f}   (wall range {lo:.2f}-{hi:.2f})")
     for c in ("acco", "adamw") if args.tables else ():
         from torch.profiler import ProfilerActivity, profile
 

@@ -4,6 +4,8 @@ on a tiny GPT-2, under torchrun (2 gloo ranks).
 usage: accelerate_script.py OUT {adamw|acco|split} [--save-at N] [--resume DIR]
 split: the Muon + AdamW split (the blocks' 2-D weights to Muon, lr 0.02) as one AccoOptimizer (docs/integrations.md).
 Writes OUT/result.json (eval loss, all-reduces inside backward passes) and OUT/final.pt (rank 0).
+ACCO_TEST_CUDA=1: on the GPU with bf16 autocast (Accelerator(mixed_precision="bf16")), as GPU users run it
+(tests/test_cuda.py).
 """
 
 import argparse
@@ -33,7 +35,8 @@ def lr_lambda(t):
     return min(1.0, (t + 1) / 4) * 0.5 * (1 + math.cos(math.pi * t / UPDATES))
 
 
-accelerator = Accelerator(cpu=True, gradient_accumulation_steps=ACCUM)
+cuda = os.environ.get("ACCO_TEST_CUDA") == "1"
+accelerator = Accelerator(cpu=not cuda, mixed_precision="bf16" if cuda else "no", gradient_accumulation_steps=ACCUM)
 torch.manual_seed(0)
 config = GPT2Config(vocab_size=256, n_positions=SEQ, n_embd=64, n_layer=2, n_head=2,
                     resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
@@ -86,7 +89,8 @@ for batch in batches:
         done += 1
         if prof is not None and done == 4:
             prof.__exit__(None, None, None)
-            events = prof.events()
+            # host-side events only: on CUDA a record_function range appears a second time, as a GPU annotation
+            events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
             ranges = [e.time_range for e in events if e.name == "backward_pass"]
             allreduces = sum(1 for e in events if "allreduce" in e.name.lower()
                              and any(r.start <= e.time_range.start <= r.end for r in ranges))
@@ -106,8 +110,8 @@ unwrapped = accelerator.unwrap_model(model)
 unwrapped.eval()
 with torch.no_grad():
     held = Bytes(480 * SEQ, 64)
-    eval_loss = sum(unwrapped(input_ids=torch.stack(held.rows[i:i + 16]), labels=torch.stack(held.rows[i:i + 16])).loss.item()
-                    for i in range(0, 64, 16)) / 4
+    rows = [torch.stack(held.rows[i:i + 16]).to(accelerator.device) for i in range(0, 64, 16)]
+    eval_loss = sum(unwrapped(input_ids=r, labels=r).loss.item() for r in rows) / 4
 if accelerator.is_main_process:
     torch.save(unwrapped.state_dict(), os.path.join(cli.out, "final.pt"))
     with open(os.path.join(cli.out, "result.json"), "w") as f:

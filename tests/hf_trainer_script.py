@@ -4,6 +4,8 @@ usage: hf_trainer_script.py OUT {adamw|acco|split|split-sync} [RESUME_CHECKPOINT
 split / split-sync: the Muon + AdamW split (the blocks' 2-D weights to Muon, lr 0.02), built by the user as one
 AccoOptimizer and passed as AccoTrainer(optimizers=(opt, None)), in mode acco / sync (docs/integrations.md).
 Writes OUT/result.json (eval loss, large all-reduces seen in backward) and OUT/final.pt (rank 0).
+ACCO_TEST_CUDA=1: on the GPU with bf16 autocast (TrainingArguments(bf16=True)), as GPU users run it
+(tests/test_cuda.py).
 """
 
 import json
@@ -16,6 +18,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, 
 
 out, variant = sys.argv[1], sys.argv[2]
 resume = sys.argv[3] if len(sys.argv) > 3 else None
+cuda = os.environ.get("ACCO_TEST_CUDA") == "1"
 
 
 class CountAllReduces(TrainerCallback):
@@ -33,7 +36,8 @@ class CountAllReduces(TrainerCallback):
     def on_step_end(self, args, state, control, **kw):
         if self.prof is not None and state.global_step == 4:
             self.prof.__exit__(None, None, None)
-            events = self.prof.events()
+            # host-side events only: on CUDA a record_function range appears a second time, as a GPU annotation
+            events = [e for e in self.prof.events() if e.device_type == torch.autograd.DeviceType.CPU]
             backward = [e.time_range for e in events if e.name == "backward_pass"]
             assert len(backward) == 2 * args.gradient_accumulation_steps, len(backward)
             self.count = sum(1 for e in events if "allreduce" in e.name.lower()
@@ -51,7 +55,7 @@ def labelled_backward(backward):
 torch.manual_seed(0)
 model = GPT2LMHeadModel(GPT2Config(vocab_size=256, n_positions=SEQ, n_embd=64, n_layer=2, n_head=2))
 args = TrainingArguments(
-    output_dir=out, use_cpu=True, per_device_train_batch_size=4, gradient_accumulation_steps=2,
+    output_dir=out, use_cpu=not cuda, bf16=cuda, per_device_train_batch_size=4, gradient_accumulation_steps=2,
     max_steps=30, learning_rate=1e-3, lr_scheduler_type="cosine", warmup_steps=3, weight_decay=0.1,
     max_grad_norm=1.0, save_steps=10, save_strategy="steps", logging_steps=10, report_to="none", seed=0,
     dataloader_num_workers=0, disable_tqdm=True,

@@ -101,17 +101,25 @@ def test_cuda_round_stats_from_events():
         assert r["rank_microbatches"] == [r["local_microbatches"]]
 
 
-@pytest.mark.parametrize("mode", ["acco", "dpu", "sync"])
-def test_cuda_one_step_per_update_matches_oracle(mode):
-    """The default loop (M backward passes, one step()) on the side stream, against the oracle."""
+ONE_STEP_CONFIGS = [("acco", {}), ("dpu", {}), ("sync", {}), ("acco", {"estimate_extrapolation": 1.2}),
+                    ("acco", {"estimate_extrapolation": 1.2, "fused": True})]
+
+
+@pytest.mark.parametrize("mode,options", ONE_STEP_CONFIGS,
+                         ids=[mode + "".join(f"-{k}={v}" for k, v in o.items()) for mode, o in ONE_STEP_CONFIGS])
+def test_cuda_one_step_per_update_matches_oracle(mode, options):
+    """The default loop (M backward passes, one step()) on the side stream, against the oracle; with the
+    extrapolated estimate (AdamW's step taken with c * lr, its step count on the device), capturable and
+    fused."""
     from oracle import update_run
     from tinynet import grad_fn
 
     m, updates = 2, 5
     model = make_model().cuda()
     theta0 = [p.detach().cpu().clone() for p in model.parameters()]
-    opt = AccoOptimizer(model.parameters(), mode=mode, microbatches_per_update=m, **KW)
-    assert opt.scheduler.uses_streams and opt.local_optimizer.defaults.get("capturable") is True
+    opt = AccoOptimizer(model.parameters(), mode=mode, microbatches_per_update=m, **options, **KW)
+    assert opt.scheduler.uses_streams
+    assert opt.local_optimizer.defaults.get("fused" if options.get("fused") else "capturable") is True
     traj = []
     for t in range(updates):
         for j in range(m):
@@ -122,7 +130,8 @@ def test_cuda_one_step_per_update_matches_oracle(mode):
         traj.append(flat(model).cpu())
     opt.finish()
     ref, _, ref_final = update_run(theta0, lambda ps: torch.optim.AdamW(ps, **KW), mode,
-                                   lambda r, i, w: [g / m for g in grad_fn(r, i, w)], 1, updates, m)
+                                   lambda r, i, w: [g / m for g in grad_fn(r, i, w)], 1, updates, m,
+                                   estimate_extrapolation=options.get("estimate_extrapolation", 1.0))
     assert max(rel_err(a, flat_list(b)) for a, b in zip(traj, ref)) < 1e-5
     assert rel_err(flat(model).cpu(), flat_list(ref_final)) < 1e-5
 
@@ -171,16 +180,20 @@ def test_cuda_steady_state_issues_no_host_sync(mode):
 
 
 WHOLE_TENSOR_CONFIGS = [(s, mode, {}) for s in ("muon", "adafactor", "split") for mode in ("acco", "sync")]
-WHOLE_TENSOR_CONFIGS += [("split", "acco", {"estimate_dtype": torch.bfloat16, "max_grad_norm": 3.0})]
+WHOLE_TENSOR_CONFIGS += [("split", "acco", {"estimate_dtype": torch.bfloat16, "max_grad_norm": 3.0}),
+                         ("split", "acco", {"estimate_extrapolation": 1.2})]
+WHOLE_TENSOR_IDS = {"estimate_dtype": "-bf16-clip", "estimate_extrapolation": "-extrapolate"}
 
 
 @pytest.mark.parametrize("setup,mode,options", WHOLE_TENSOR_CONFIGS,
-                         ids=[f"{s}-{m}{'-bf16-clip' if o else ''}" for s, m, o in WHOLE_TENSOR_CONFIGS])
+                         ids=[f"{s}-{m}{''.join(WHOLE_TENSOR_IDS[k] for k in o if k in WHOLE_TENSOR_IDS)}"
+                              for s, m, o in WHOLE_TENSOR_CONFIGS])
 def test_cuda_whole_tensor_optimizers_match_the_oracle(setup, mode, options):
     """Muon, Adafactor and the Muon + AdamW split (whole tensors on the side stream; Adafactor reads its step
     count and norms back to the host) against the oracle run with the same torch optimizers on the same GPU,
-    the model after every step() and after finish(). The last configuration adds the bf16 estimate and
-    clipping (the clip's norm all-reduce and the device-side skip flags)."""
+    the model after every step() and after finish(). The last two configurations add the bf16 estimate and
+    clipping (the clip's norm all-reduce and the device-side skip flags), and the extrapolated estimate
+    (estimate_extrapolation: Muon's estimate a lerp from its snapshot, AdamW's its step with c * lr)."""
     from oracle import update_run
     from test_whole_tensors import ALL, MATRICES, Net, _flat, _grad_fn, _rel, _setup
 
@@ -203,7 +216,8 @@ def test_cuda_whole_tensor_optimizers_match_the_oracle(setup, mode, options):
     opt.finish()
     ref_steps, _, ref_final = update_run(theta0, make_opt, mode, _grad_fn(names, 1.0 / m, "cuda"), 1, updates, m,
                                          estimate_dtype=options["estimate_dtype"],
-                                         max_grad_norm=options.get("max_grad_norm"))
+                                         max_grad_norm=options.get("max_grad_norm"),
+                                         estimate_extrapolation=options.get("estimate_extrapolation", 1.0))
     assert max(_rel(a, _flat(b)) for a, b in zip(traj, ref_steps)) < 1e-5
     assert _rel(_flat(net.parameters()), _flat(ref_final)) < 1e-5
     assert (_flat(net.parameters()) - _flat(theta0)).abs().max().item() > 1e-3  # it trained
@@ -219,7 +233,7 @@ def _shared_gpu_grad(rank, index, weights):
     return [p.grad.detach().clone() for p in net.parameters()]
 
 
-def _shared_gpu_worker(rank, world, mode, estimate_dtype):
+def _shared_gpu_worker(rank, world, mode, estimate_dtype, extrapolation=1.0):
     from oracle import update_run
 
     os.environ["ACCO_RING"] = "0"  # gloo's own collectives: its point-to-point ring has no CUDA tensors
@@ -227,7 +241,7 @@ def _shared_gpu_worker(rank, world, mode, estimate_dtype):
     model = make_model().cuda()
     theta0 = [p.detach().clone() for p in model.parameters()]
     opt = AccoOptimizer(model.parameters(), mode=mode, microbatches_per_update=2, estimate_dtype=estimate_dtype,
-                        max_grad_norm=5.0, **KW)
+                        max_grad_norm=5.0, estimate_extrapolation=extrapolation, **KW)
     assert opt.scheduler.uses_streams
     traj = []
     for t in range(5):
@@ -239,18 +253,75 @@ def _shared_gpu_worker(rank, world, mode, estimate_dtype):
         traj.append(flat(model).cpu())
     opt.finish()
     ref, _, ref_final = update_run(theta0, lambda ps: torch.optim.AdamW(ps, **KW), mode, _shared_gpu_grad, world, 5,
-                                   2, estimate_dtype=estimate_dtype, max_grad_norm=5.0)
+                                   2, estimate_dtype=estimate_dtype, max_grad_norm=5.0,
+                                   estimate_extrapolation=extrapolation)
     return (max(rel_err(a, flat_list(b).cpu()) for a, b in zip(traj, ref)),
             rel_err(flat(model).cpu(), flat_list(ref_final).cpu()))
 
 
-@pytest.mark.parametrize("mode,estimate_dtype", [("acco", None), ("dpu", None), ("sync", None),
-                                                 ("acco", torch.bfloat16)])
-def test_cuda_two_gloo_ranks_sharing_one_gpu_match_the_oracle(mode, estimate_dtype):
+@pytest.mark.parametrize("mode,estimate_dtype,extrapolation", [("acco", None, 1.0), ("dpu", None, 1.0),
+                                                               ("sync", None, 1.0), ("acco", torch.bfloat16, 1.0),
+                                                               ("acco", torch.bfloat16, 1.2)])
+def test_cuda_two_gloo_ranks_sharing_one_gpu_match_the_oracle(mode, estimate_dtype, extrapolation):
     """Two ranks on one GPU (NCCL refuses two ranks on a device; gloo takes CUDA tensors): the stream path at
     world 2 (the side stream, its events, record_stream, the count and norm collectives, the rounds'
-    reduce-scatter and all-gather) against the oracle at every step. Ran on the first GPU machine (one H100)."""
+    reduce-scatter and all-gather) against the oracle at every step; the last configuration is the default bf16
+    estimate extrapolated (estimate_extrapolation=1.2). Ran on the first GPU machine (one H100)."""
     from _dist import run_ranks
 
-    for step_err, final_err in run_ranks(_shared_gpu_worker, 2, mode, estimate_dtype, timeout=120):
+    for step_err, final_err in run_ranks(_shared_gpu_worker, 2, mode, estimate_dtype, extrapolation, timeout=120):
         assert step_err < 1e-5 and final_err < 1e-5
+
+
+def _torchrun_one_gpu(script, *args):
+    """One NCCL rank on the GPU under torchrun, the script in its GPU form (ACCO_TEST_CUDA=1: bf16 autocast)."""
+    import sys
+
+    from _dist import run_command
+
+    here = os.path.dirname(__file__)
+    return run_command([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
+                        os.path.join(here, script), *map(str, args)], timeout=300, env={"ACCO_TEST_CUDA": "1"})
+
+
+def _user_run_check(dirs, name):
+    """The library's run trains as the framework's own AdamW does (one rank: the same updates, up to bf16
+    autocast and the two-stage update's delay), and the run resumed from its checkpoint ends where the
+    uninterrupted one did."""
+    import json
+
+    res = {}
+    for k, d in dirs.items():
+        with open(d / "result.json") as f:
+            res[k] = json.load(f)
+        res[k]["final"] = torch.load(d / "final.pt", weights_only=True)
+    base, acco_, resumed = res["adamw"]["eval_loss"], res["acco"]["eval_loss"], res["resumed"]["eval_loss"]
+    worst = max((res["acco"]["final"][n].float() - t.float()).abs().max().item()
+                for n, t in res["resumed"]["final"].items())
+    print(f"{name} on CUDA, bf16 autocast: eval loss AdamW {base:.5f}, acco {acco_:.5f} "
+          f"({(acco_ - base) / base:+.3%}), resumed {resumed:.5f}; largest weight difference resumed vs "
+          f"uninterrupted {worst:.3g}")
+    assert abs(acco_ - base) / base < 0.02
+    assert abs(resumed - acco_) / acco_ < 1e-3 and worst < 1e-2
+
+
+def test_cuda_hf_trainer_bf16_with_a_resume(tmp_path):
+    """AccoTrainer on one GPU under torchrun (NCCL) with TrainingArguments(bf16=True), as GPU users run the
+    Trainer: its eval loss against Trainer's own AdamW, and resume_from_checkpoint (checkpoint-10)."""
+    pytest.importorskip("transformers")
+    dirs = {k: tmp_path / k for k in ("adamw", "acco", "resumed")}
+    _torchrun_one_gpu("hf_trainer_script.py", dirs["adamw"], "adamw")
+    _torchrun_one_gpu("hf_trainer_script.py", dirs["acco"], "acco")
+    _torchrun_one_gpu("hf_trainer_script.py", dirs["resumed"], "acco", dirs["acco"] / "checkpoint-10")
+    _user_run_check(dirs, "Trainer")
+
+
+def test_cuda_accelerate_bf16_with_a_resume(tmp_path):
+    """The accelerate recipe on one GPU under torchrun (NCCL) with mixed_precision="bf16": its eval loss
+    against accelerate's own AdamW loop, and save_state/load_state at update 10."""
+    pytest.importorskip("accelerate")
+    dirs = {k: tmp_path / k for k in ("adamw", "acco", "resumed")}
+    _torchrun_one_gpu("accelerate_script.py", dirs["adamw"], "adamw")
+    _torchrun_one_gpu("accelerate_script.py", dirs["acco"], "acco", "--save-at", "10")
+    _torchrun_one_gpu("accelerate_script.py", dirs["resumed"], "acco", "--resume", dirs["acco"] / "ckpt")
+    _user_run_check(dirs, "accelerate")
