@@ -311,8 +311,9 @@ def run_round(ctx: RoundContext, spec: RoundSpec) -> RoundResult:
             snapshot.stepped = True  # the optimizers' state exists now, for every tensor that keeps one
     if restore:
         snapshot.restore_where(undo, stepped, b.master)  # a flag was raised: as if no step
+    around = wrapped.complement(computed)  # the chunk's ranges outside the computed tensors: stepped, padding
     if snapshotted and ctx.extrapolation != 1.0:  # the stepped tensors' Opt*, extrapolated (undone: theta stays)
-        snapshot.extrapolate(b.master, wrapped.complement(computed), ctx.extrapolation)
+        snapshot.extrapolate(b.master, around, ctx.extrapolation)
     if computed and not skipped:
         # Opt* computed into the all-gather's input; theta and the state are only read. Without a staging
         # slice that input is the gradient slice itself: each chunk's gradient is read before it is overwritten
@@ -320,7 +321,7 @@ def run_round(ctx: RoundContext, spec: RoundSpec) -> RoundResult:
         source = b.staging if b.staging is not None else b.grad
         for part in computed:
             functional.estimate_into(source, part.optimizer, part.tensors, b.master, ctx.extrapolation)
-        functional.copy_ranges(source, b.master, wrapped.complement(computed))
+        functional.copy_ranges(source, b.master, around)
         if undo is not None:  # a flag was raised: the estimate is theta itself
             torch.where(undo, b.master.to(source.dtype), source, out=source)
     else:
