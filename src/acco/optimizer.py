@@ -158,8 +158,9 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
             takes its step ``c`` times, ``theta~ = theta + c * (Opt*(theta, g)
             - theta)`` (``1.0``, the default: the paper's). The commit is
             unchanged. ``1.2`` needed fewer updates to reach DDP's loss than
-            ``1.0`` on each of 3 seeds at 500 updates, more at 1,500 (one
-            seed; ``docs/convergence.md``, time to target); free for Adam,
+            ``1.0`` on each of 3 seeds at 500 updates, and on 2 of 3 at 1,500
+            (1.008x DDP's updates against 1.055x; ``docs/convergence.md``,
+            time to target); free for Adam,
             AdamW and SGD, one pass over the slice for other optimizers.
             In ``(0, 2]``.
         **optimizer_kwargs: passed to ``optimizer_class`` (``lr=...``).
