@@ -273,28 +273,18 @@ def test_cuda_two_gloo_ranks_sharing_one_gpu_match_the_oracle(mode, estimate_dty
         assert step_err < 1e-5 and final_err < 1e-5
 
 
-def _torchrun_one_gpu(script, *args):
-    """One NCCL rank on the GPU under torchrun, the script in its GPU form (ACCO_TEST_CUDA=1: bf16 autocast)."""
-    import sys
-
-    from _dist import run_command
-
-    here = os.path.dirname(__file__)
-    return run_command([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=1",
-                        os.path.join(here, script), *map(str, args)], timeout=300, env={"ACCO_TEST_CUDA": "1"})
-
-
-def _user_run_check(dirs, name):
-    """The library's run trains as the framework's own AdamW does (one rank: the same updates, up to bf16
-    autocast and the two-stage update's delay), and the run resumed from its checkpoint ends where the
-    uninterrupted one did."""
-    import json
+def _user_paths(script, runs, name, tmp_path):
+    """``runs``: each run's arguments after its output folder, for the framework's own AdamW, the library's run
+    and the run resumed from the latter's checkpoint; each on one NCCL rank under torchrun, the script in its
+    GPU form (ACCO_TEST_CUDA=1: bf16 autocast). The library's run trains as the framework's AdamW does (one
+    rank: the same updates, up to bf16 autocast and the two-stage update's delay), and the resumed run ends
+    where the uninterrupted one did."""
+    from test_integrations import _result, _torchrun
 
     res = {}
-    for k, d in dirs.items():
-        with open(d / "result.json") as f:
-            res[k] = json.load(f)
-        res[k]["final"] = torch.load(d / "final.pt", weights_only=True)
+    for k, args in runs.items():
+        _torchrun(script, tmp_path / k, *args, nproc=1, env={"ACCO_TEST_CUDA": "1"})
+        res[k] = _result(tmp_path / k)
     base, acco_, resumed = res["adamw"]["eval_loss"], res["acco"]["eval_loss"], res["resumed"]["eval_loss"]
     worst = max((res["acco"]["final"][n].float() - t.float()).abs().max().item()
                 for n, t in res["resumed"]["final"].items())
@@ -309,19 +299,14 @@ def test_cuda_hf_trainer_bf16_with_a_resume(tmp_path):
     """AccoTrainer on one GPU under torchrun (NCCL) with TrainingArguments(bf16=True), as GPU users run the
     Trainer: its eval loss against Trainer's own AdamW, and resume_from_checkpoint (checkpoint-10)."""
     pytest.importorskip("transformers")
-    dirs = {k: tmp_path / k for k in ("adamw", "acco", "resumed")}
-    _torchrun_one_gpu("hf_trainer_script.py", dirs["adamw"], "adamw")
-    _torchrun_one_gpu("hf_trainer_script.py", dirs["acco"], "acco")
-    _torchrun_one_gpu("hf_trainer_script.py", dirs["resumed"], "acco", dirs["acco"] / "checkpoint-10")
-    _user_run_check(dirs, "Trainer")
+    runs = {"adamw": ["adamw"], "acco": ["acco"], "resumed": ["acco", tmp_path / "acco" / "checkpoint-10"]}
+    _user_paths("hf_trainer_script.py", runs, "Trainer", tmp_path)
 
 
 def test_cuda_accelerate_bf16_with_a_resume(tmp_path):
     """The accelerate recipe on one GPU under torchrun (NCCL) with mixed_precision="bf16": its eval loss
     against accelerate's own AdamW loop, and save_state/load_state at update 10."""
     pytest.importorskip("accelerate")
-    dirs = {k: tmp_path / k for k in ("adamw", "acco", "resumed")}
-    _torchrun_one_gpu("accelerate_script.py", dirs["adamw"], "adamw")
-    _torchrun_one_gpu("accelerate_script.py", dirs["acco"], "acco", "--save-at", "10")
-    _torchrun_one_gpu("accelerate_script.py", dirs["resumed"], "acco", "--resume", dirs["acco"] / "ckpt")
-    _user_run_check(dirs, "accelerate")
+    runs = {"adamw": ["adamw"], "acco": ["acco", "--save-at", "10"],
+            "resumed": ["acco", "--resume", tmp_path / "acco" / "ckpt"]}
+    _user_paths("accelerate_script.py", runs, "accelerate", tmp_path)

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import sys
+from typing import Dict, Optional
 
 import pytest
 import torch
@@ -27,9 +28,9 @@ else:
 HERE = os.path.dirname(__file__)
 
 
-def _torchrun(script: str, *args: str) -> None:
-    run_command([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-                 os.path.join(HERE, script), *map(str, args)], timeout=300)
+def _torchrun(script: str, *args: str, nproc: int = 2, env: Optional[Dict[str, str]] = None) -> None:
+    run_command([sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+                 os.path.join(HERE, script), *map(str, args)], timeout=300, env=env)
 
 
 def _result(out) -> dict:
