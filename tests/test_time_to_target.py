@@ -418,3 +418,22 @@ def test_ddps_best_lr_is_judged_on_the_seeds_both_lrs_share():
     assert ttt.ddp_best_lrs(ddp) == {(100, 500, 0.0): (4e-3, [2e-3, 4e-3])}  # 1.29 < 1.35, not 1.29 > 1.275
     assert ttt.lr_cell(2e-3, (4e-3, [2e-3, 4e-3])) == "0.002 (DDP's best: 0.004)"
     assert ttt.lr_cell(4e-3, (4e-3, [2e-3, 4e-3])) == "0.004"
+
+
+def test_a_niced_studys_ranks_give_their_niceness_to_their_own_session(monkeypatch, tmp_path):
+    """torchrun starts each rank in a session of its own; with Linux's autogroup scheduling ``nice`` then orders
+    nothing against the tests beside the study. instrument.py writes the rank's niceness to its autogroup (here a
+    file standing in for /proc/self/autogroup), and leaves it alone for a rank that is not niced."""
+    monkeypatch.syspath_prepend(os.path.join(HERE, "..", "examples", "nanogpt"))
+    import instrument
+
+    group = tmp_path / "autogroup"
+    group.write_text("/autogroup-7 nice 0\n")
+    monkeypatch.setattr(instrument.os, "nice", lambda inc: 0)
+    instrument.nice_in_own_session(str(group))
+    assert group.read_text() == "/autogroup-7 nice 0\n"
+    monkeypatch.setattr(instrument.os, "nice", lambda inc: 19)
+    instrument.nice_in_own_session(str(group))
+    assert group.read_text() == "19"
+    instrument.nice_in_own_session(str(tmp_path / "absent"))  # no autogroup: nothing to do, no error
+    assert not (tmp_path / "absent").exists()

@@ -94,7 +94,24 @@ def screen_estimate(blend: float) -> None:
     functional._adam = _adam
 
 
+def nice_in_own_session(autogroup: str = "/proc/self/autogroup") -> None:
+    """Give this rank's scheduling group the niceness the study was started with (``nice -n 19``).
+
+    On Linux with autogroup scheduling (``kernel.sched_autogroup_enabled``, on by default), the CPU is shared
+    between sessions first and ``nice`` only orders the processes within one; torchrun starts each rank in a
+    session of its own, so a niced study's ranks would take as much CPU as the tests or a benchmark beside them.
+    Writing the niceness to the rank's autogroup makes ``nice`` count again; elsewhere this does nothing."""
+    niceness = os.nice(0)
+    if niceness > 0 and os.path.exists(autogroup):
+        try:
+            with open(autogroup, "w") as f:
+                f.write(str(niceness))
+        except OSError:  # autogroup off, or not permitted: nice already applies, or cannot be helped
+            pass
+
+
 def main(argv: list) -> None:
+    nice_in_own_session()
     options, estimate_gap = {}, False
     blend = 1.0
     while argv and argv[0].startswith("--"):

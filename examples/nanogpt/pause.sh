@@ -4,7 +4,8 @@
 # Signals each study process and every descendant: torchrun starts each rank in a session of its own, so
 # signalling the study's process group alone leaves the ranks running. Keep a pause well under the ranks'
 # process-group timeout (gloo's default, 30 min): a collective waiting across the pause may time out after it.
-# The time paused counts in the runs' recorded wall time.
+# The time paused counts in the runs' recorded wall time. Started with `nice -n 19`, the ranks stay niced under
+# Linux's autogroup scheduling too: instrument.py gives each rank's session its niceness (nice_in_own_session).
 set -u
 case "${1:-}" in stop) sig=STOP ;; cont) sig=CONT ;; *) echo "usage: $0 stop|cont" >&2; exit 2 ;; esac
 tree() {  # the studies' python processes and all their descendants
