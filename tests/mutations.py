@@ -2,7 +2,8 @@
 
 Run from the repository root: ``.venv/bin/python tests/mutations.py [M1 M3 ...]``. Each line prints the
 targeted tests' outcome with the mutation in place (a failure is the expected result); the source is
-restored afterwards. Not collected by pytest.
+restored afterwards. Not collected by pytest; ``tests/test_mutations.py`` checks in CI that every mutation still
+finds the one line it breaks, and names test files that exist.
 """
 import subprocess, sys
 cases = [
@@ -73,7 +74,8 @@ cases = [
   "        snapshot.restore(stepped, b.master)  # Opt*: leave theta and state untouched\n", "        pass\n",
   "tests/test_functional.py -k oracle"),
  ("M30 the round's row written with Python scalars (a blocking copy on CUDA)", "src/acco/rounds.py",
-  "        b.row[i].fill_(value)\n", "        b.row[i] = value\n", "tests/test_stream_protocol.py -k oracle"),
+  "spec.round_id))):\n        b.row[i].fill_(value)\n", "spec.round_id))):\n        b.row[i] = value\n",
+  "tests/test_stream_protocol.py -k oracle"),
  ("M31 device reports read whenever the device happens to be done", "src/acco/driver.py",
   "        while self._unread and (upto is None or self._unread[0][0] <= upto):",
   "        while self._unread and (upto is None or self._unread[0][1].query()):",
@@ -192,7 +194,8 @@ cases = [
   '        ("estimate_microbatches", opt.estimate_microbatches),\n', "",
   "tests/test_errors.py -k options_that_differ"),
  ("M74 Adam's bias corrections from a device step count computed as if before the first step",
-  "src/acco/functional.py", "once = _adam_scalars(step, group) if adam", "once = _adam_scalars(None, group) if adam",
+  "src/acco/functional.py", "once = _adam_scalars(step, group, extrapolation) if adam",
+  "once = _adam_scalars(None, group, extrapolation) if adam",
   "tests/test_stream_protocol.py -k fused"),
  ("M75 record_stream on host tensors (Adafactor's step counter: every round on CUDA raised)",
   "src/acco/device_api.py", "        if tensor.is_cuda:\n            tensor.record_stream(stream)",
@@ -221,17 +224,23 @@ cases = [
   '"hidden": min(1.0, max(0.0, 1 - exposed / link)) if link > 0 else math.nan,',
   '"hidden": r.get("acco_hidden") or 0.0,', "tests/test_demo.py"),
 ]
-only = sys.argv[1:]
-for name, path, old, new, tests in cases:
-    if only and name.split()[0] not in only:
-        continue
-    src = open(path).read()
-    assert src.count(old) == 1, (name, src.count(old))
-    open(path, "w").write(src.replace(old, new))
-    try:
-        r = subprocess.run(f"OMP_NUM_THREADS=1 timeout 600 .venv/bin/python -m pytest -q -x {tests}", shell=True,
-                           capture_output=True, text=True)
-        last = [l for l in r.stdout.splitlines() if "passed" in l or "failed" in l or "error" in l.lower()][-1:]
-        print(f"{name}: exit {r.returncode} {last}", flush=True)
-    finally:
-        open(path, "w").write(src)
+
+
+def main(only):
+    for name, path, old, new, tests in cases:
+        if only and name.split()[0] not in only:
+            continue
+        src = open(path).read()
+        assert src.count(old) == 1, (name, src.count(old))
+        open(path, "w").write(src.replace(old, new))
+        try:
+            r = subprocess.run(f"OMP_NUM_THREADS=1 timeout 600 .venv/bin/python -m pytest -q -x {tests}", shell=True,
+                               capture_output=True, text=True)
+            last = [l for l in r.stdout.splitlines() if "passed" in l or "failed" in l or "error" in l.lower()][-1:]
+            print(f"{name}: exit {r.returncode} {last}", flush=True)
+        finally:
+            open(path, "w").write(src)
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
