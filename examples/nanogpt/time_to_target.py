@@ -645,7 +645,9 @@ def parse(argv=None) -> argparse.Namespace:
                             for x in ("", "_extrap", "_h3")],
                    help="benchmarks/time_to_target.py speed records of these methods on the testbed (time per "
                         "update), one benchmark run per file; a method in several files gets a composed row for each")
-    p.add_argument("--methods", type=lambda s: s.split(","), default=["ddp", "acco", "acco-bf16"])
+    p.add_argument("--methods", type=lambda s: s.split(","), default=["ddp", "acco-bf16", "acco"],
+                   help="DDP first, then the ACCO methods; the first of them (by default the library's default, the "
+                        "bf16 estimate) also runs at the other warm-ups")
     p.add_argument("--lr", type=float, default=4e-3,
                    help="DDP's best LR under this schedule (4e-3 at warm-up 100, 3 seeds): every method runs here")
     p.add_argument("--ddp-lrs", type=lambda s: [float(x) for x in s.split(",") if x], default=[],
@@ -654,7 +656,7 @@ def parse(argv=None) -> argparse.Namespace:
                    help="other LRs where DDP and every ACCO method run too (2e-3: the LR study's best for DDP, at "
                         "warm-up 20 and a cosine, the study's first target)")
     p.add_argument("--warmups", type=lambda s: [int(x) for x in s.split(",")], default=[100, 20],
-                   help="the first is the main one (covers the plateau escape); the others: DDP and the first ACCO")
+                   help="the first is the main one (covers the plateau escape); the others: DDP and the first ACCO method")
     p.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[500, 1500])
     p.add_argument("--floors", type=lambda s: [float(x) for x in s.split(",")], default=[0.0, 0.1])
     p.add_argument("--cooldown-frac", type=float, default=0.2)
