@@ -106,7 +106,7 @@ def nice_in_own_session(autogroup: str = "/proc/self/autogroup") -> None:
         try:
             with open(autogroup, "w") as f:
                 f.write(str(niceness))
-        except OSError:  # autogroup off, or not permitted: nice already applies, or cannot be helped
+        except OSError:  # not permitted here: the rank runs as it would have without this
             pass
 
 
