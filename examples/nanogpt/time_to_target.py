@@ -64,6 +64,9 @@ METHODS: Dict[str, Tuple[str, List[str], List[str]]] = {
     # computed it through instrument.py, the same arithmetic: tests/test_time_to_target.py)
     "acco-bf16-extrap120": ("train_acco.py", [], ["--acco-option=estimate_dtype=bfloat16",
                                                   "--acco-option=estimate_extrapolation=1.2"]),
+    # plain ZeRO-1 (mode sync: reduce-scatter, step, all-gather, nothing overlapped): what an update of a
+    # synchronous prefix costs on the testbed (benchmarks/time_to_target.py speed; docs/benchmarks.md §9d)
+    "sync": ("train_acco.py", ["--mode=sync"], []),
 }
 RATIOS = (11 / 12, 1.0, 13 / 12, 14 / 12)  # the branch lengths searched, as multiples of DDP's length
 GOAL_TIME = 0.75  # issue #28's goal: DDP's target in at most 0.75x DDP's wall-clock (and 1.03x its updates)
@@ -322,7 +325,8 @@ def run_missing(args: argparse.Namespace) -> None:
 LABELS = {"ddp": "DDP + AdamW", "acco": "ACCO", "acco-bf16": "ACCO, bf16 estimate",
           "acco-bf16-h3": "ACCO, bf16 estimate after 3 of 4",
           "acco-bf16-blend50": "ACCO, bf16 estimate blended with the momentum (0.5; screen)",
-          "acco-bf16-extrap120": "ACCO, bf16 estimate, estimate_extrapolation=1.2"}
+          "acco-bf16-extrap120": "ACCO, bf16 estimate, estimate_extrapolation=1.2",
+          "sync": "ZeRO-1 (mode sync)"}
 
 
 def bounded(result: dict) -> Tuple[float, str]:
@@ -642,7 +646,7 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--workdir", type=Path, default=ROOT / "runs" / "time_to_target")
     p.add_argument("--speed", type=Path, nargs="+",
                    default=[ROOT / "docs" / "benchmarks_data" / f"time_to_target_speed{x}.jsonl"
-                            for x in ("", "_extrap", "_h3")],
+                            for x in ("", "_extrap", "_h3", "_sync", "_extrap61")],
                    help="benchmarks/time_to_target.py speed records of these methods on the testbed (time per "
                         "update), one benchmark run per file; a method in several files gets a composed row for each")
     p.add_argument("--methods", type=lambda s: s.split(","), default=["ddp", "acco-bf16", "acco"],
