@@ -77,7 +77,7 @@ def test_smoke_runs_the_search_and_reports_what_its_records_hold(tmp_path):
     ddp = next(r for r in rs if r["kind"] == "branch" and r["method"] == "ddp")
     assert (ddp["T"], ddp["start"], ddp["val"][-1]) == (12, 10, [12, ddp["final_val_loss"]])
     acco = {r["T"]: r["final_val_loss"] for r in rs if r["kind"] == "branch" and r["method"] == "acco"}
-    assert 12 in acco and set(acco) <= {11, 12, 13, 14}, acco
+    assert 12 in acco and set(acco) <= {11, 12, 13, 14, 16, 18}, acco
     for r in rs:
         if r["kind"] == "branch":  # a branch resumes the trunk's checkpoint at 80% and cools down to its T
             assert r["start"] == round(0.8 * r["T"]) and len(r["train_loss"]) == r["T"] - r["start"]
@@ -87,7 +87,7 @@ def test_smoke_runs_the_search_and_reports_what_its_records_hold(tmp_path):
     row = _row(text, "ACCO", 12)
     if ratio is None:  # the target lies outside the lengths searched: a bound, and the search went to the end
         assert re.fullmatch(r"s0 [<>] \d\.\d{3}", row[4]), row
-        assert set(acco) in ({11, 12}, {12, 13, 14}), acco
+        assert set(acco) in ({11, 12}, {12, 13, 14, 16, 18}), acco
     else:
         assert row[4] == f"s0 {ratio:.3f}" and row[5] == f"{ratio:.3f} (1 seed)", row
         composed = next(x for x in text.splitlines() if x.startswith("| ACCO | 0.002 | 2 | 12 | 0 | 0.800 [0.750–0.909]"))
@@ -109,9 +109,11 @@ def test_smoke_runs_the_search_and_reports_what_its_records_hold(tmp_path):
     assert row[4] == f"s0 {(12 + 0.3 / 0.4) / 12:.3f}", row  # 12 + (13 - 12) * 0.3 / 0.4 updates
 
 
-@pytest.mark.parametrize("losses,expect,mean", [({11: 2.2, 12: 2.1, 13: 2.05, 14: 2.01}, "s0 > 1.167", "≥ 1.167 (1 seed)"),
+@pytest.mark.parametrize("losses,expect,mean", [({11: 2.2, 12: 2.1, 13: 2.05, 14: 2.01, 16: 2.005, 18: 2.001},
+                                                 "s0 > 1.500", "≥ 1.500 (1 seed)"),
                                                 ({11: 1.9, 12: 1.95}, "s0 < 0.917", "≤ 0.917 (1 seed)"),
-                                                ({12: 2.1, 13: 1.9}, "s0 1.042", "1.042 (1 seed)")])
+                                                ({12: 2.1, 13: 1.9}, "s0 1.042", "1.042 (1 seed)"),
+                                                ({12: 2.1, 13: 2.05, 14: 2.01, 16: 1.99}, "s0 1.250", "1.250 (1 seed)")])
 def test_search_outcomes_in_the_report(tmp_path, losses, expect, mean):
     """Beyond the lengths searched the report says so with a bound, and the mean is a bound; inside, it
     interpolates."""
@@ -132,10 +134,10 @@ def test_mean_over_seeds_with_a_bound():
     """Check the mean of an exact seed and a bounded one is a bound on that side, and both sides give none."""
     ttt = _tool()
     exact, below, above = {"ratio": 1.1, "updates": 550}, {"ratio": None, "bound": "< 0.917"}, \
-        {"ratio": None, "bound": "> 1.167"}
+        {"ratio": None, "bound": "> 1.500"}
     assert ttt.mean_bounded([exact, below]) == (pytest.approx((1.1 + 11 / 12) / 2), "<")
     assert ttt.mean_cell([exact, below]) == f"≤ {(1.1 + 11 / 12) / 2:.3f}"
-    assert ttt.mean_cell([exact, above], fmt=lambda x: f"{x * 500 - 500:+.0f}") == f"≥ {((1.1 + 14 / 12) / 2) * 500 - 500:+.0f}"
+    assert ttt.mean_cell([exact, above], fmt=lambda x: f"{x * 500 - 500:+.0f}") == f"≥ {((1.1 + 18 / 12) / 2) * 500 - 500:+.0f}"
     assert ttt.mean_cell([below, above]) == "—" and ttt.mean_cell([exact]) == "1.100"
 
 
@@ -225,7 +227,8 @@ def _composed(tmp_path, acco_losses: dict, speed: dict) -> str:
 
 
 @pytest.mark.parametrize("losses,asks_time", [({12: 2.1, 13: 1.9}, "0.720"),                 # 12.5 / 12 updates
-                                              ({11: 2.2, 12: 2.1, 13: 2.05, 14: 2.01}, "≤ 0.643")])  # ≥ 14 / 12
+                                              ({11: 2.2, 12: 2.1, 13: 2.05, 14: 2.01, 16: 2.005, 18: 2.001},
+                                               "≤ 0.500")])  # ≥ 18 / 12
 def test_the_report_says_what_the_time_goal_asks_of_each_side(tmp_path, losses, asks_time):
     """The composed-time table's last two columns: the time per update that 0.75x DDP's time to target would
     need at the measured mean updates ratio (0.75 / ratio: a bound where the ratio is one, on the other side),
@@ -275,12 +278,18 @@ def test_a_trunk_run_again_for_a_branch_is_recorded(tmp_path, monkeypatch):
     records = tmp_path / "r.jsonl"
     args = ttt.parse([*TINY, "--records", str(records), "--workdir", str(tmp_path / "w")])
     line = next(x for x in ttt.lines(args) if x["method"] == "acco")
-    monkeypatch.setattr(ttt, "run_trunk", lambda a, ln: {"kind": "trunk", "method": ln["method"], "T": 14})
+    monkeypatch.setattr(ttt, "run_trunk", lambda a, ln, length: {"kind": "trunk", "method": ln["method"], "T": length})
     launched = []
     monkeypatch.setattr(ttt, "launch", lambda *a: launched.append(a) or ([{"iter": 12, "val_loss": 2.0}], [], None, 1.0))
     branch = ttt.run_branch(args, {"kind": "branch", "line": line, "T": 12, "floor": 0.0}, tmp_path)
-    assert [json.loads(x) for x in records.read_text().splitlines()] == [{"kind": "trunk", "method": "acco", "T": 14}]
+    assert ttt.trunk_length(args, line) == 11  # the start of the longest first branch, 14 (of DDP's 12)
+    assert [json.loads(x) for x in records.read_text().splitlines()] == [{"kind": "trunk", "method": "acco", "T": 11}]
     assert (branch["kind"], branch["T"], branch["start"], len(launched)) == ("branch", 12, 10, 1)
+    # a search beyond the first lengths (18 of 12 starts its cool-down at 14): the trunk runs on to that start
+    branch = ttt.run_branch(args, {"kind": "branch", "line": line, "T": 18, "floor": 0.0}, tmp_path)
+    assert json.loads(records.read_text().splitlines()[-1]) == {"kind": "trunk", "method": "acco", "T": 14}
+    assert (branch["T"], branch["start"], f"--resume_from={(ttt.trunk_dir(args, line) / 'ckpt-14.pt').resolve()}"
+            in launched[-1][2]) == (18, 14, True)
 
 
 def test_a_trunk_goes_on_from_the_latest_checkpoint_a_recorded_shorter_trunk_kept(tmp_path, monkeypatch):

@@ -68,7 +68,11 @@ METHODS: Dict[str, Tuple[str, List[str], List[str]]] = {
     # synchronous prefix costs on the testbed (benchmarks/time_to_target.py speed; docs/benchmarks.md §9d)
     "sync": ("train_acco.py", ["--mode=sync"], []),
 }
-RATIOS = (11 / 12, 1.0, 13 / 12, 14 / 12)  # the branch lengths searched, as multiples of DDP's length
+# The branch lengths searched, as multiples of DDP's length, from 1 up (or down to 11/12) until two bracket DDP's
+# loss. A trunk first runs to the start of the first TRUNK_RATIOS' longest branch; the longer lengths, for a method
+# far from DDP (warm-up 20: more than 14/12 on two seeds of three), extend it from its latest checkpoint if asked.
+RATIOS = (11 / 12, 1.0, 13 / 12, 14 / 12, 16 / 12, 18 / 12)
+TRUNK_RATIOS = 4
 GOAL_TIME = 0.75  # issue #28's goal: DDP's target in at most 0.75x DDP's wall-clock (and 1.03x its updates)
 BEGIN, END = "<!-- time-to-target:begin (written by examples/nanogpt/time_to_target.py) -->", "<!-- time-to-target:end -->"
 
@@ -113,7 +117,8 @@ def trunk_length(args: argparse.Namespace, line: dict) -> int:
     """A trunk runs to the start of the last branch its line may need."""
     if line["branches"]:
         return max(start_of(t, args.cooldown_frac) for t, _ in line["branches"])
-    return max(start_of(length_of(t, r), args.cooldown_frac) for t, _ in line["search"] for r in RATIOS)
+    return max(start_of(length_of(t, r), args.cooldown_frac) for t, _ in line["search"]
+               for r in RATIOS[:TRUNK_RATIOS])
 
 
 def length_of(t_ddp: int, ratio: float) -> int:
@@ -230,14 +235,14 @@ def record_of(args: argparse.Namespace, job: dict, evals: list, train: list, wal
     }
 
 
-def run_trunk(args: argparse.Namespace, line: dict) -> dict:
-    """Run the line's trunk to ``trunk_length``: from scratch, or on from the latest checkpoint an earlier, shorter
+def run_trunk(args: argparse.Namespace, line: dict, length: Optional[int] = None) -> dict:
+    """Run the line's trunk to ``length`` (by default ``trunk_length``): from scratch, or on from the latest checkpoint an earlier, shorter
     trunk of the same line kept (``extendable``). The record covers the whole trunk either way; its ``wall_s`` is
     this run's only (the earlier run has its own record), and ``extends`` says where this run resumed."""
     out = trunk_dir(args, line)
     script, _, flags = METHODS[line["method"]]
     keeps = ",".join(str(i) for i in trunk_keeps(args))
-    length = trunk_length(args, line)
+    length = length or trunk_length(args, line)
     overrides = overrides_of(args, line) + [
         f"--max_iters={length}", "--cooldown_iters=0", f"--min_lr={line['lr']}", f"--keep_ckpts={keeps}"]
     earlier = extendable(args, line, length)
@@ -279,9 +284,10 @@ def run_branch(args: argparse.Namespace, job: dict, tmp: Path) -> dict:
     line, t, floor = job["line"], job["T"], job["floor"]
     start = start_of(t, args.cooldown_frac)
     ckpt = trunk_dir(args, line) / f"ckpt-{start}.pt"
-    if not ckpt.exists():  # the records have the trunk, this machine not its checkpoints: run it again
-        print(f"  trunk checkpoint {ckpt} missing: running the trunk again", flush=True)
-        append_record(args, run_trunk(args, line))  # a finished run too (and maybe a longer trunk than recorded)
+    if not ckpt.exists():  # the records have the trunk, this machine not its checkpoints (or a longer search
+        # asks for more of it than a trunk's first run does): run it again, or on, to at least this branch's start
+        print(f"  trunk checkpoint {ckpt} missing: running the trunk to update {start}", flush=True)
+        append_record(args, run_trunk(args, line, max(trunk_length(args, line), start)))  # a finished run too
     script, _, flags = METHODS[line["method"]]
     out = tmp / f"branch-{t}"
     evals, train, _, wall = launch(script, flags, overrides_of(args, line) + [
