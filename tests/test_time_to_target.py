@@ -113,7 +113,11 @@ def test_smoke_runs_the_search_and_reports_what_its_records_hold(tmp_path):
                                                  "s0 > 1.500", "≥ 1.500 (1 seed)"),
                                                 ({11: 1.9, 12: 1.95}, "s0 < 0.917", "≤ 0.917 (1 seed)"),
                                                 ({12: 2.1, 13: 1.9}, "s0 1.042", "1.042 (1 seed)"),
-                                                ({12: 2.1, 13: 2.05, 14: 2.01, 16: 1.99}, "s0 1.250", "1.250 (1 seed)")])
+                                                ({12: 2.1, 13: 2.05, 14: 2.01, 16: 1.99}, "s0 1.250", "1.250 (1 seed)"),
+                                                # a search a session left unfinished: what the lengths run say so far
+                                                ({12: 2.1, 13: 2.05, 14: 2.01}, "s0 > 1.167 (searching)",
+                                                 "≥ 1.167 (1 seed)"),
+                                                ({12: 1.95}, "s0 < 1.000 (searching)", "≤ 1.000 (1 seed)")])
 def test_search_outcomes_in_the_report(tmp_path, losses, expect, mean):
     """Beyond the lengths searched the report says so with a bound, and the mean is a bound; inside, it
     interpolates."""

@@ -335,19 +335,31 @@ LABELS = {"ddp": "DDP + AdamW", "acco": "ACCO", "acco-bf16": "ACCO, bf16 estimat
           "sync": "ZeRO-1 (mode sync)"}
 
 
+def searched_so_far(losses: Dict[Tuple[int, float], float], target: float, t_ddp: int,
+                    floor: float) -> Optional[dict]:
+    """What an unfinished search says already (a session can end inside one): the target lies beyond the
+    lengths run so far, as a bound marked ``"searching"``; None before the branch at DDP's length."""
+    seen = {r: losses[(length_of(t_ddp, r), floor)] for r in RATIOS if (length_of(t_ddp, r), floor) in losses}
+    if 1.0 not in seen:
+        return None
+    side, at = (">", max(seen)) if seen[1.0] > target else ("<", min(seen))
+    return {"updates": None, "ratio": None, "bound": f"{side} {at:.3f}", "at": at, "searching": True}
+
+
 def bounded(result: dict) -> Tuple[float, str]:
     """A search result as (value, side): the interpolated ratio and ``""``, or for a target beyond the lengths
     searched the nearest length's ratio and ``"<"``/``">"`` (the true ratio lies beyond it)."""
     if result["ratio"] is not None:
         return result["ratio"], ""
     side = result["bound"][0]
-    return (RATIOS[0] if side == "<" else RATIOS[-1]), side
+    return result.get("at", RATIOS[0] if side == "<" else RATIOS[-1]), side
 
 
 def bounded_text(result: dict, scale: float = 1.0) -> str:
-    """``bounded`` written out, its value times ``scale``: ``"1.054"``, or ``"< 0.917"`` beyond the lengths."""
+    """``bounded`` written out, its value times ``scale``: ``"1.054"``, or ``"< 0.917"`` beyond the lengths, then
+    ``"(searching)"`` if the search is not done."""
     value, side = bounded(result)
-    return " ".join(filter(None, [side, f"{value * scale:.3f}"]))
+    return " ".join(filter(None, [side, f"{value * scale:.3f}", "(searching)" if result.get("searching") else ""]))
 
 
 def mean_bounded(results: List[dict]) -> Optional[Tuple[float, str]]:
@@ -452,6 +464,7 @@ def summarize(records: List[dict], args: argparse.Namespace) -> dict:
                 continue
             losses = branches_of(records, line, config)
             _, result = search_state(losses, target, t_ddp, floor)
+            result = result or searched_so_far(losses, target, t_ddp, floor)
             rows.append({"method": line["method"], "lr": line["lr"], "warmup": line["warmup"], "seed": line["seed"],
                          "T": t_ddp, "floor": floor, "target": target, "loss_at_T": losses.get((t_ddp, floor)),
                          "result": result})
@@ -513,7 +526,8 @@ def report_markdown(s: dict, args: argparse.Namespace, speed: Dict[str, List[dic
                             for (w, t, f), (lr, lrs) in sorted(best.items()) if len(lrs) > 1) + "."]
     # updates to target
     out += ["", "Updates to DDP's fully decayed loss (same seed, same LR, same schedule), as a multiple of DDP's "
-            "T: per seed, and the mean; `>`/`<`: beyond the lengths searched (the mean then takes the last length searched for that seed, and is a bound: `≤`/`≥`). Loss gap: the method's loss at "
+            "T: per seed, and the mean; `>`/`<`: beyond the lengths searched (the mean then takes the last length searched for that seed, and is a bound: `≤`/`≥`); `(searching)`: the lengths run so far, "
+            "where a session stopped inside a search (the study goes on from there). Loss gap: the method's loss at "
             "DDP's T against DDP's.", "",
             "| method | LR | warm-up | T | floor | per seed (updates ratio) | mean ratio | mean extra updates "
             "| loss gap at T |",
