@@ -407,6 +407,10 @@ def test_other_lrs_run_every_method_and_each_is_judged_against_ddp_at_its_lr(tmp
                       str(tmp_path / "d.md"), "--speed", str(tmp_path / "none.jsonl")])
     plan = [(x["method"], x["lr"]) for x in ttt.lines(args) if x["warmup"] == 2]
     assert plan == [("ddp", 2e-3), ("acco", 2e-3), ("ddp", 4e-3), ("acco", 4e-3)], plan
+    # another warm-up can move DDP's best LR: there DDP and the first ACCO method run at both LRs too
+    other = ttt.parse([*TINY, "--methods", "ddp,acco,acco-bf16", "--warmups", "2,1", "--acco-lrs", "0.004"])
+    plan = [(x["method"], x["lr"]) for x in ttt.lines(other) if x["warmup"] == 1]
+    assert plan == [("ddp", 2e-3), ("acco", 2e-3), ("ddp", 4e-3), ("acco", 4e-3)], plan
     base = {"warmup": 2, "seed": 0, "config": ttt.config_of(args), "floor": 0.0, "val": [], "train_loss": [],
             "wall_s": 1.0, "kind": "branch"}
     rs = [dict(base, lr=2e-3, method="ddp", T=12, start=10, final_val_loss=2.0),

@@ -94,7 +94,8 @@ def lines(args: argparse.Namespace) -> List[dict]:
 
     At the main warm-up (the first of ``--warmups``), seed by seed: DDP then every ACCO method at ``--lr``; then
     DDP at ``--ddp-lrs``, seed by seed; then DDP and every ACCO method at ``--acco-lrs``. Then the other
-    warm-ups: DDP and the first ACCO method, at ``--lr``. A line's
+    warm-ups: DDP and the first ACCO method, at ``--lr`` and at ``--acco-lrs`` (a warm-up can move DDP's best
+    LR: at warm-up 20, 2e-3 by the mean of 3 seeds, where 4e-3 is best at warm-up 100). A line's
     ``branches`` are the (T, floor) it always runs (DDP: every length at floor 0, and the other floors at the
     main warm-up's longest length or the other warm-ups' shortest); an ACCO line instead searches its
     updates-to-target (``search``) for each of DDP's (T, floor) at its LR."""
@@ -105,7 +106,7 @@ def lines(args: argparse.Namespace) -> List[dict]:
         fixed = [(t, 0.0) for t in args.lengths] + [(floors_at, f) for f in args.floors if f]
         for seed in args.seeds:
             for m in (args.methods if w == main_w else args.methods[:2]):
-                others = ((args.ddp_lrs if m == "ddp" else []) + args.acco_lrs) if w == main_w else []
+                others = ((args.ddp_lrs if m == "ddp" else []) + args.acco_lrs) if w == main_w else args.acco_lrs
                 for lr in dict.fromkeys([args.lr] + others):  # each LR once, the main one first
                     out.append({"method": m, "lr": lr, "warmup": w, "seed": seed,
                                 "branches": fixed if m == "ddp" else [], "search": [] if m == "ddp" else fixed,
@@ -678,9 +679,11 @@ def parse(argv=None) -> argparse.Namespace:
                    help="other LRs where DDP alone runs")
     p.add_argument("--acco-lrs", type=lambda s: [float(x) for x in s.split(",") if x], default=[2e-3],
                    help="other LRs where DDP and every ACCO method run too (2e-3: the LR study's best for DDP, at "
-                        "warm-up 20 and a cosine, the study's first target)")
+                        "warm-up 20 and a cosine, the study's first target, and DDP's best at warm-up 20 here); at "
+                        "the other warm-ups, DDP and the first ACCO method")
     p.add_argument("--warmups", type=lambda s: [int(x) for x in s.split(",")], default=[100, 20],
-                   help="the first is the main one (covers the plateau escape); the others: DDP and the first ACCO method")
+                   help="the first is the main one (covers the plateau escape); the others: DDP and the first ACCO "
+                        "method, at --lr and --acco-lrs")
     p.add_argument("--lengths", type=lambda s: [int(x) for x in s.split(",")], default=[500, 1500])
     p.add_argument("--floors", type=lambda s: [float(x) for x in s.split(",")], default=[0.0, 0.1])
     p.add_argument("--cooldown-frac", type=float, default=0.2)
