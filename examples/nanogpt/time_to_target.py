@@ -69,10 +69,10 @@ METHODS: Dict[str, Tuple[str, List[str], List[str]]] = {
     "sync": ("train_acco.py", ["--mode=sync"], []),
 }
 # The branch lengths searched, as multiples of DDP's length, from 1 up (or down to 11/12) until two bracket DDP's
-# loss. A trunk first runs to the start of the first TRUNK_RATIOS' longest branch; the longer lengths, for a method
+# loss. A trunk first runs to the start of the longest of TRUNK_RATIOS' branches; the longer lengths, for a method
 # far from DDP (warm-up 20: more than 14/12 on two seeds of three), extend it from its latest checkpoint if asked.
 RATIOS = (11 / 12, 1.0, 13 / 12, 14 / 12, 16 / 12, 18 / 12)
-TRUNK_RATIOS = 4
+TRUNK_RATIOS = RATIOS[:4]
 GOAL_TIME = 0.75  # issue #28's goal: DDP's target in at most 0.75x DDP's wall-clock (and 1.03x its updates)
 BEGIN, END = "<!-- time-to-target:begin (written by examples/nanogpt/time_to_target.py) -->", "<!-- time-to-target:end -->"
 
@@ -119,7 +119,7 @@ def trunk_length(args: argparse.Namespace, line: dict) -> int:
     if line["branches"]:
         return max(start_of(t, args.cooldown_frac) for t, _ in line["branches"])
     return max(start_of(length_of(t, r), args.cooldown_frac) for t, _ in line["search"]
-               for r in RATIOS[:TRUNK_RATIOS])
+               for r in TRUNK_RATIOS)
 
 
 def length_of(t_ddp: int, ratio: float) -> int:
@@ -165,9 +165,11 @@ def target_of(records: List[dict], line: dict, config: dict, t_ddp: int, floor: 
 
 def search_state(losses: Dict[Tuple[int, float], float], target: float, t_ddp: int,
                  floor: float) -> Tuple[Optional[int], Optional[dict]]:
-    """The next branch length the search needs (or None), and when the search is done its result:
+    """The next branch length the search needs (or None), and its result: when the search is done,
     ``{"updates": T*, "ratio": T*/T_DDP, "bracket": [..]}`` where ``T*`` is interpolated between the two branches
-    that bracket the target; ``"updates"`` is None (and ``"bound"`` says which side) if no run brackets it."""
+    that bracket the target; ``"updates"`` is None (and ``"bound"`` says which side) if no run brackets it. While
+    it goes on (a session can stop inside one), the bound the lengths run so far give, marked ``"searching"``;
+    None before the branch at DDP's length."""
     seen = {r: losses.get((length_of(t_ddp, r), floor)) for r in RATIOS}
     one = seen[1.0]
     if one is None:
@@ -177,7 +179,8 @@ def search_state(losses: Dict[Tuple[int, float], float], target: float, t_ddp: i
         la, lb = seen[a], seen[b]
         if lb is None:
             if (la > target) == (one > target):
-                return length_of(t_ddp, b), None
+                return length_of(t_ddp, b), {"updates": None, "ratio": None, "bound": f"{'>' if one > target else '<'} "
+                                             f"{a:.3f}", "at": a, "searching": True}
             break
         hi, lo = (a, b) if la > lb else (b, a)
         if seen[hi] > target >= seen[lo]:
@@ -336,17 +339,6 @@ LABELS = {"ddp": "DDP + AdamW", "acco": "ACCO", "acco-bf16": "ACCO, bf16 estimat
           "sync": "ZeRO-1 (mode sync)"}
 
 
-def searched_so_far(losses: Dict[Tuple[int, float], float], target: float, t_ddp: int,
-                    floor: float) -> Optional[dict]:
-    """What an unfinished search says already (a session can end inside one): the target lies beyond the
-    lengths run so far, as a bound marked ``"searching"``; None before the branch at DDP's length."""
-    seen = {r: losses[(length_of(t_ddp, r), floor)] for r in RATIOS if (length_of(t_ddp, r), floor) in losses}
-    if 1.0 not in seen:
-        return None
-    side, at = (">", max(seen)) if seen[1.0] > target else ("<", min(seen))
-    return {"updates": None, "ratio": None, "bound": f"{side} {at:.3f}", "at": at, "searching": True}
-
-
 def bounded(result: dict) -> Tuple[float, str]:
     """A search result as (value, side): the interpolated ratio and ``""``, or for a target beyond the lengths
     searched the nearest length's ratio and ``"<"``/``">"`` (the true ratio lies beyond it)."""
@@ -465,7 +457,6 @@ def summarize(records: List[dict], args: argparse.Namespace) -> dict:
                 continue
             losses = branches_of(records, line, config)
             _, result = search_state(losses, target, t_ddp, floor)
-            result = result or searched_so_far(losses, target, t_ddp, floor)
             rows.append({"method": line["method"], "lr": line["lr"], "warmup": line["warmup"], "seed": line["seed"],
                          "T": t_ddp, "floor": floor, "target": target, "loss_at_T": losses.get((t_ddp, floor)),
                          "result": result})
