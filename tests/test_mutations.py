@@ -17,11 +17,11 @@ ROOT = os.path.join(os.path.dirname(__file__), "..")
 
 
 def test_names_are_unique():
-    names = [case[0].split()[0] for case in mutations.cases]
+    names = [mutations.short_name(case) for case in mutations.cases]
     assert len(names) == len(set(names)), sorted(n for n in names if names.count(n) > 1)
 
 
-@pytest.mark.parametrize("case", mutations.cases, ids=[c[0].split()[0] for c in mutations.cases])
+@pytest.mark.parametrize("case", mutations.cases, ids=[mutations.short_name(c) for c in mutations.cases])
 def test_each_mutation_finds_its_line_once_and_names_existing_tests(case):
     name, path, old, new, tests = case
     with open(os.path.join(ROOT, path)) as f:
