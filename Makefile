@@ -1,5 +1,6 @@
 # Everything a fresh machine needs: `make demo` and `make test` create .venv,
-# install torch==2.13.0 (the CPU build) when torch is absent, and install acco
+# install torch==2.13.0 when torch is absent (from PyPI that is the CUDA build on Linux x86_64, several GB;
+# this project's machines take a CPU build from disk; set TORCH_PIN or install torch first to choose), and install acco
 # with the extras its tests cover (transformers, accelerate and lightning for the integrations).
 
 PYTHON ?= python3

@@ -307,7 +307,7 @@ def plot(records: List[Dict], path: Path) -> Optional[Path]:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("(no plot: pip install matplotlib, or 'acco[examples]')")
+        print("(no plot: pip install matplotlib)")
         return None
     runs = {r["method"]: r for r in records if r.get("kind") == "run"}
     fig, ax = plt.subplots(figsize=(6, 3.6))

@@ -59,7 +59,7 @@ def test_example_default_corpus_and_slow_rank_accumulation(tmp_path):
     assert fast >= slow, s["mean_microbatches_per_round"]
 
 
-@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers (pip install 'acco[hf]')")
+@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers (pip install -e '.[hf]')")
 def test_example_trains_hugging_face_gpt_neo(tmp_path, corpus):
     """Check the drop-in claim on a model we did not write: HF GPTNeoForCausalLM from a config."""
     s = _torchrun(tmp_path, "hf", "--optimizer", "acco", "--model", "hf-gpt-neo", "--data", corpus)

@@ -82,6 +82,21 @@ def test_acco_trainer_names_gradient_accumulation_steps(tmp_path):
         AccoTrainer(model=torch.nn.Linear(2, 2), args=args)
 
 
+@pytest.mark.parametrize("mode,steps", [("sync", 1), ("dpu", 3), ("acco", 2)])
+def test_acco_trainer_builds_the_optimizer_with_gradient_accumulation_steps_in_every_mode(tmp_path, mode, steps):
+    """The optimizer AccoTrainer builds takes Trainer's gradient_accumulation_steps as its micro-batches per update
+    in every mode (docs/integrations.md), so a step() after more backward() calls than that is refused in dpu and
+    sync too, as in Lightning's strategy."""
+    from transformers import TrainingArguments
+
+    from acco.integrations.hf import AccoTrainer
+
+    args = TrainingArguments(output_dir=str(tmp_path), gradient_accumulation_steps=steps, report_to=[], use_cpu=True)
+    trainer = AccoTrainer(model=torch.nn.Linear(2, 2), args=args, acco_mode=mode)
+    opt = trainer.create_optimizer()
+    assert opt.mode == mode and opt.microbatches_per_update == steps
+
+
 def test_hf_integration_reports_the_real_import_error(monkeypatch):
     """transformers present but its Trainer failing to import (a broken dependency) is reported as that failure,
     not as 'transformers is missing'."""

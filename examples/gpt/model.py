@@ -76,7 +76,7 @@ def build_model(name: str, cfg: GPTConfig) -> nn.Module:
         try:
             from transformers import GPTNeoConfig, GPTNeoForCausalLM
         except ImportError as exc:
-            raise SystemExit("--model hf-gpt-neo needs transformers: pip install 'acco[hf]'") from exc
+            raise SystemExit("--model hf-gpt-neo needs transformers: pip install 'transformers>=5.23'") from exc
         hf = GPTNeoConfig(
             vocab_size=cfg.vocab_size,
             max_position_embeddings=cfg.seq_len,

@@ -174,7 +174,8 @@ def _parse(argv: Optional[List[str]]):
     p.add_argument("--compute-seconds", type=float, default=None,
                    help="forward+backward time of one micro-batch on one rank (measure it in your loop)")
     p.add_argument("--tokens", type=parse_count, default=None, help="tokens per micro-batch, to estimate compute")
-    p.add_argument("--microbatches-per-half", type=int, default=1)
+    p.add_argument("--microbatches-per-half", type=int, default=1,
+                   help="micro-batches in each half of an update (microbatches_per_update / 2)")
     p.add_argument("--dtype", choices=["fp32", "bf16", "fp16"], default=None,
                    help="compute dtype (default: bf16 on CUDA, fp32 on CPU)")
     p.add_argument("--rounds", type=int, default=5)

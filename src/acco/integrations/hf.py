@@ -51,7 +51,7 @@ try:
     from transformers import Trainer
 except ImportError as exc:
     if exc.name == "transformers":  # transformers itself is missing
-        raise ImportError("acco.integrations.hf needs transformers: pip install 'acco[hf]'") from exc
+        raise ImportError("acco.integrations.hf needs transformers: pip install 'transformers>=5.23' 'accelerate>=1.15' (or, in acco's clone, pip install -e '.[hf]')") from exc
     # transformers is there but its Trainer failed to import: say what failed, not that it is missing
     raise ImportError(f"acco.integrations.hf: importing transformers.Trainer failed: {exc}") from exc
 
@@ -66,7 +66,7 @@ _missing = [name for name in _OVERRIDDEN if not hasattr(Trainer, name)]
 if _missing:  # pragma: no cover - depends on the installed transformers
     raise ImportError(
         f"acco.integrations.hf.AccoTrainer overrides Trainer methods that this transformers lacks: {_missing}. "
-        "It is tested with transformers 5.23: pip install 'acco[hf]'"
+        "It is tested with transformers 5.23: pip install 'transformers>=5.23' (or, in acco's clone, pip install -e '.[hf]')"
     )
 
 CHECKPOINT_DIR = "acco_optimizer"  # inside each Trainer checkpoint folder
@@ -144,9 +144,8 @@ class AccoTrainer(Trainer):
                 mode=self.acco_mode,
                 max_grad_norm=self.args.max_grad_norm if self.args.max_grad_norm and self.args.max_grad_norm > 0 else None,
                 buffers=list(model.buffers()),
+                microbatches_per_update=self.args.gradient_accumulation_steps,  # in every mode, as Lightning's
             )
-            if self.acco_mode == "acco":
-                kwargs["microbatches_per_update"] = self.args.gradient_accumulation_steps
             kwargs.update(self.acco_kwargs)
             self.optimizer = AccoOptimizer(groups, type(plain), **kwargs)
         return self.optimizer
