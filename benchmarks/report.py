@@ -236,18 +236,23 @@ def minus(a: list, b: list) -> list:
 
 
 def memory_table(records) -> str:
-    rows = ["| ranks | dtype | method | peak RSS MiB (max over ranks) | above compute-only MiB | "
-            "buffers MiB (by the library's / torch's own count) |", "|---|---|---|---|---|---|"]
+    """Peak RSS per run, and above the compute-only run (the column only where some point has one: memory.py's
+    ``--methods`` without ``compute`` records none)."""
+    points = memory_points(records)
+    baseline = any("compute" in p.runs for p in points.values())
+    rows = ["| ranks | dtype | method | peak RSS MiB (max over ranks) | " + ("above compute-only MiB | " if baseline else "")
+            + "buffers MiB (by the library's / torch's own count) |", "|---" * (6 if baseline else 5) + "|"]
     mib = "{:.0f}"
-    for (ranks, dtype), p in memory_points(records).items():
+    for (ranks, dtype), p in points.items():
         for label, by_repeat in p.runs.items():
             above = minus(peaks(p, label), peaks(p, "compute"))
             mems = [r.get("memory") or {} for r in by_repeat.values()]
             keys = dict.fromkeys(k for m in mems for k in m)
             detail = ", ".join(f"{k} {median([m.get(k) for m in mems]) / 2**20:.1f}" for k in keys
                                if median([m.get(k) for m in mems]))
-            rows.append(f"| {ranks} | {dtype} | {label} | {stat([v and v / 2**20 for v in peaks(p, label)], mib)} | "
-                        f"{stat([v and v / 2**20 for v in above], mib)} | {detail} |")
+            cells = [str(ranks), dtype, label, stat([v and v / 2**20 for v in peaks(p, label)], mib)]
+            cells += [stat([v and v / 2**20 for v in above], mib)] if baseline else []
+            rows.append("| " + " | ".join(cells + [detail]) + " |")
     return "\n".join(rows)
 
 

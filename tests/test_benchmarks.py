@@ -124,6 +124,14 @@ def test_memory_smoke(tmp_path):
     assert [r["method"] for r in _table(report, "peak RSS MiB")] == ["acco", "ddp-zero", "ddp-zero-amp"]
     assert [(r["method"], r["against"]) for r in _table(report, "in fp32 copies")] == [
         ("acco", "ddp-zero"), ("acco", "ddp-zero-amp")]
+    assert "above compute-only" not in report  # no compute-only run: no column of blanks
+    # with a compute-only run (here the acco record relabelled, its peaks lowered by 1 MiB), the column is there
+    compute = dict(acco, label="compute", method="compute", peak_rss_bytes=[b - 2**20 for b in acco["peak_rss_bytes"]])
+    with open(out, "a") as f:
+        f.write(json.dumps(compute) + "\n")
+    report = run_command([sys.executable, str(BENCH / "report.py"), str(out)], timeout=60)
+    above = {r["method"]: r["above compute-only MiB"] for r in _table(report, "peak RSS MiB")}
+    assert above["acco"] == "1" and above["compute"] == "0", above  # one repeat: a median alone
 
 
 def test_report_takes_ratios_per_repeat(tmp_path):

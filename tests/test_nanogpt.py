@@ -30,7 +30,7 @@ def _run(script: str, out_dir, *overrides: str) -> list:
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    dirs = {k: tmp_path_factory.mktemp(k) for k in ("ddp", "acco", "resumed")}
+    dirs = {k: tmp_path_factory.mktemp(k) / "out" for k in ("ddp", "acco", "resumed")}  # the scripts create out_dir
     logs = {
         "ddp": _run("train_ddp.py", dirs["ddp"]),
         "acco": _run("train_acco.py", dirs["acco"]),

@@ -19,7 +19,7 @@ noise ``xi = (xi_1, xi_2)``: ``s' = A s + B xi``.
   ``w = 1, c = 1`` is ACCO's ``Opt*``; ``w < 1`` blends in the momentum
   (``w = 0``: the momentum-only prediction) and ``c > 1`` extrapolates the
   estimate's step: the candidates of instrument.py's ``--estimate-blend`` and
-  ``--estimate-extrapolate``;
+  the library's ``estimate_extrapolation`` (``--acco-option=estimate_extrapolation=C``);
 * the commit: ``m' = beta1 m + (1 - beta1) (f g_1 + (1 - f) g_2)``,
   ``theta' = theta - a m'``, with ``g_2 = theta + xi_2``.
 

@@ -46,6 +46,8 @@ for arg in sys.argv[1:]:
 init_process_group(backend="gloo")
 rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
 master_process = rank == 0
+if master_process:
+    os.makedirs(out_dir, exist_ok=True)
 torch.manual_seed(1337 + seed)
 train_data, val_data = load_corpus(None)
 
