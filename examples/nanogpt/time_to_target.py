@@ -334,7 +334,7 @@ def run_missing(args: argparse.Namespace) -> None:
 
 LABELS = {"ddp": "DDP + AdamW", "acco": "ACCO", "acco-bf16": "ACCO, bf16 estimate",
           "acco-bf16-h3": "ACCO, bf16 estimate after 3 of 4",
-          "acco-bf16-blend50": "ACCO, bf16 estimate blended with the momentum (0.5; screen)",
+          "acco-bf16-blend50": "ACCO, bf16 estimate blended with the momentum (w = 0.5, study only)",
           "acco-bf16-extrap120": "ACCO, bf16 estimate, estimate_extrapolation=1.2",
           "sync": "ZeRO-1 (mode sync)"}
 
