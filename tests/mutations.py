@@ -172,7 +172,7 @@ cases = [
   "        append_record(args, run_trunk(args, line, trunk_length(args, line)))",
   "tests/test_time_to_target.py -k trunk_run_again"),
  ("M82 the report leaves out a search a session stopped inside", "examples/nanogpt/time_to_target.py",
-  "return length_of(t_ddp, b), {\"updates\": None", "return length_of(t_ddp, b), None and {\"updates\": None",
+  "return length_of(t_ddp, b), beyond(", "return length_of(t_ddp, b), None and beyond(",
   "tests/test_time_to_target.py -k search_outcomes"),
  ("M83 the other warm-ups run at the main LR only (DDP's best LR moved with the warm-up)", "examples/nanogpt/time_to_target.py",
   "args.acco_lrs) if w == main_w else args.acco_lrs", "args.acco_lrs) if w == main_w else []",

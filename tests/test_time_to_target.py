@@ -137,8 +137,7 @@ def test_search_outcomes_in_the_report(tmp_path, losses, expect, mean):
 def test_mean_over_seeds_with_a_bound():
     """Check the mean of an exact seed and a bounded one is a bound on that side, and both sides give none."""
     ttt = _tool()
-    exact, below, above = {"ratio": 1.1, "updates": 550}, {"ratio": None, "bound": "< 0.917"}, \
-        {"ratio": None, "bound": "> 1.500"}
+    exact, below, above = {"ratio": 1.1, "updates": 550}, ttt.beyond("<", 11 / 12), ttt.beyond(">", 1.5)
     assert ttt.mean_bounded([exact, below]) == (pytest.approx((1.1 + 11 / 12) / 2), "<")
     assert ttt.mean_cell([exact, below]) == f"≤ {(1.1 + 11 / 12) / 2:.3f}"
     assert ttt.mean_cell([exact, above], fmt=lambda x: f"{x * 500 - 500:+.0f}") == f"≥ {((1.1 + 18 / 12) / 2) * 500 - 500:+.0f}"

@@ -179,17 +179,20 @@ def search_state(losses: Dict[Tuple[int, float], float], target: float, t_ddp: i
         la, lb = seen[a], seen[b]
         if lb is None:
             if (la > target) == (one > target):
-                return length_of(t_ddp, b), {"updates": None, "ratio": None, "bound": f"{'>' if one > target else '<'} "
-                                             f"{a:.3f}", "at": a, "searching": True}
+                return length_of(t_ddp, b), beyond(">" if one > target else "<", a, searching=True)
             break
         hi, lo = (a, b) if la > lb else (b, a)
         if seen[hi] > target >= seen[lo]:
             ta, tb = length_of(t_ddp, hi), length_of(t_ddp, lo)
             t_star = ta + (tb - ta) * (seen[hi] - target) / (seen[hi] - seen[lo])
             return None, {"updates": t_star, "ratio": t_star / t_ddp, "bracket": [ta, tb]}
-    if one > target:
-        return None, {"updates": None, "ratio": None, "bound": f"> {RATIOS[-1]:.3f}"}
-    return None, {"updates": None, "ratio": None, "bound": f"< {RATIOS[0]:.3f}"}
+    return None, beyond(">", RATIOS[-1]) if one > target else beyond("<", RATIOS[0])
+
+
+def beyond(side: str, at: float, searching: bool = False) -> dict:
+    """A search's result where no run brackets the target: the target lies on ``side`` of the length ``at`` (as a
+    multiple of DDP's); ``searching``: the search goes on past it."""
+    return {"updates": None, "ratio": None, "bound": f"{side} {at:.3f}", "at": at, **({"searching": True} if searching else {})}
 
 
 def next_job(args: argparse.Namespace, records: List[dict]) -> Optional[dict]:
@@ -344,8 +347,7 @@ def bounded(result: dict) -> Tuple[float, str]:
     searched the nearest length's ratio and ``"<"``/``">"`` (the true ratio lies beyond it)."""
     if result["ratio"] is not None:
         return result["ratio"], ""
-    side = result["bound"][0]
-    return result.get("at", RATIOS[0] if side == "<" else RATIOS[-1]), side
+    return result["at"], result["bound"][0]
 
 
 def bounded_text(result: dict, scale: float = 1.0) -> str:
