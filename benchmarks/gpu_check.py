@@ -44,6 +44,7 @@ import argparse
 import gc
 import json
 import os
+import signal
 import socket
 import statistics
 import subprocess
@@ -392,6 +393,53 @@ def check_error_step(device: str) -> Dict[str, Any]:
     return {"ranks": 2, "raised_at": raised, "same_step": raised[0] is not None and raised[0] == raised[1]}
 
 
+EXIT_CASES = (("return", 0), ("exit", 3), ("interrupt", -signal.SIGINT))  # how main() ends, the code it means
+
+
+def _exit_script(device: str, how: str) -> None:
+    """Child process of :func:`check_exits`: mode acco in a ``main()`` that ends ``how`` with a round in flight,
+    never calling ``finish()`` or ``destroy_process_group()`` (one rank: NCCL on a GPU, gloo on a dry run)."""
+    def main() -> None:
+        cuda = device.startswith("cuda")
+        torch.distributed.init_process_group("nccl" if cuda else "gloo", init_method=os.environ["ACCO_EXIT_INIT"],
+                                             rank=0, world_size=1)
+        model = make_model(64, 2, device)
+        opt = AccoOptimizer(model.parameters(), mode="acco", microbatches_per_update=2, lr=1e-4)
+        data = batches(64, 8, device, 4)
+        for t in range(6):
+            for j in range(2):
+                x, y = data[(2 * t + j) % len(data)]
+                (((model(x) - y) ** 2).mean() / 2).backward()
+            opt.step()
+            opt.zero_grad()
+        if how == "exit":
+            sys.exit(3)
+        if how == "interrupt":
+            os.kill(os.getpid(), signal.SIGINT)  # KeyboardInterrupt with a round in flight
+            time.sleep(30)
+
+    main()
+
+
+def check_exits(device: str) -> Dict[str, Any]:
+    """A script that returns from main() without finish(), calls sys.exit(3) or gets Ctrl-C, each with a round
+    in flight (on a GPU: the NCCL round group and the side stream's last round): it must exit with the code it
+    means, without "terminate called" (a C++ abort) or a hang."""
+    out: Dict[str, Any] = {}
+    for how, want in EXIT_CASES:
+        with tempfile.TemporaryDirectory() as tmp:
+            env = {**os.environ, "ACCO_EXIT_INIT": f"file://{tmp}/store", "OMP_NUM_THREADS": "1"}
+            try:
+                r = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--exit-script", how,
+                                    "--device", device], capture_output=True, text=True, timeout=180, env=env)
+                code, text = r.returncode, r.stdout + r.stderr
+            except subprocess.TimeoutExpired as e:
+                code, text = None, f"hung: {e}"
+        out[how] = {"code": code, "want": want, "aborted": "terminate called" in text,
+                    "tail": text.strip().splitlines()[-3:] if code != want else []}
+    return out
+
+
 def section(check, *args) -> Dict[str, Any]:
     """``check(*args)``, or ``{"error": ...}`` if it raised: one broken section must not hide the others' results
     (the first run on a new machine is the one that finds what breaks)."""
@@ -414,6 +462,10 @@ def verdict(results: Dict[str, Any], dry: bool) -> List[str]:
     t = results["tests"]
     if "error" not in t and t["exit"] not in (0,) and not (dry and t["exit"] == 5):
         failures.append(f"tests/test_cuda.py exited {t['exit']}: {t['summary']}")
+    for how, r in results["exits"].items() if "error" not in results["exits"] else ():
+        if r["code"] != r["want"] or r["aborted"]:
+            failures.append(f"a script ending by {how} exited {r['code']} (meant {r['want']}), "
+                            f"{'with' if r['aborted'] else 'without'} a C++ abort: {r['tail']}")
     e = results["errors"]
     if "error" not in e and e["same_step"] is False:
         failures.append(f"a device-found error surfaced at different steps on the ranks: {e['raised_at']}")
@@ -505,6 +557,12 @@ def _errors_lines(e: Dict[str, Any], dry: bool) -> List[str]:
             f"{' (CPU path, gloo: a dry run)' if dry else ''}."]
 
 
+def _exits_lines(x: Dict[str, Any], dry: bool) -> List[str]:
+    return ["A `main()` with a round in flight, no `finish()`: " + "; ".join(
+        f"{how}: exit {r['code']} (meant {r['want']}){', C++ ABORT' if r['aborted'] else ''}" for how, r in x.items())
+        + (" (CPU path, gloo: a dry run)." if dry else " (NCCL, one rank).")]
+
+
 _SECTIONS = [  # (results key, heading, lines of a section that did not raise)
     ("tests", "### 1. CUDA tests", _tests_lines),
     ("trace", "### 2. Profiler trace (4 updates of 4 micro-batches, mode acco)", _trace_lines),
@@ -513,6 +571,7 @@ _SECTIONS = [  # (results key, heading, lines of a section that did not raise)
     ("memory", "### 5. Memory against docs/algorithm.md", _memory_lines),
     ("syncs", "### 6. Host synchronisations after the first applied step", _syncs_lines),
     ("errors", "### 7. A device-found error on two ranks", _errors_lines),
+    ("exits", "### 8. How a process ends without finish()", _exits_lines),
 ]
 
 
@@ -556,7 +615,12 @@ def main(argv: Sequence[str] = None) -> Dict[str, Any]:
     p.add_argument("--dry-run", action="store_true", help="run every section on the CPU with a tiny model")
     p.add_argument("--out", type=Path, default=None, help="report file (default: docs/gpu.md; none on a dry run)")
     p.add_argument("--repeats", type=int, default=None)
+    p.add_argument("--exit-script", choices=[h for h, _ in EXIT_CASES], help=argparse.SUPPRESS)  # check_exits' child
+    p.add_argument("--device", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.exit_script:
+        _exit_script(args.device, args.exit_script)
+        return {}
     dry = args.dry_run
     if not dry and not torch.cuda.is_available():
         p.error("no CUDA device: run on a GPU machine, or pass --dry-run")
@@ -579,6 +643,7 @@ def main(argv: Sequence[str] = None) -> Dict[str, Any]:
     results["memory"] = section(check_memory, width, layers, batch, device)
     results["syncs"] = section(check_syncs, width, layers, batch, device)
     results["errors"] = section(check_error_step, device)
+    results["exits"] = section(check_exits, device)
     results["failures"] = verdict(results, dry)
     block = render(results, dry, device, argv)
     out = args.out if args.out is not None else (None if dry else ROOT / "docs" / "gpu.md")

@@ -295,17 +295,19 @@ def test_gpu_check_verdict_fails_on_what_a_gpu_must_not_show():
     import gpu_check
 
     good = {"tests": {"exit": 0, "summary": "19 passed"}, "errors": {"same_step": True, "raised_at": [4, 4]},
+            "exits": {"return": {"code": 0, "want": 0, "aborted": False, "tail": []}},
             "syncs": {"sync_warnings_per_update": 0.0, "examples": [], "host_waits_per_update": 0.5},
             "trace": {"host_syncs_per_update": {"cudaEventSynchronize": 0.5}, "compute_stream": 7, "overlap": {13: 0.9},
                       "streams_from": "markers"}}
     assert gpu_check.verdict(good, dry=False) == []
     bad = {"tests": {"exit": 1, "summary": "1 failed"}, "errors": {"same_step": False, "raised_at": [4, 5]},
+           "exits": {"return": {"code": -6, "want": 0, "aborted": True, "tail": ["terminate called"]}},
            "syncs": {"sync_warnings_per_update": 2.0, "examples": ["x"], "host_waits_per_update": 0.0},
            "trace": {"host_syncs_per_update": {"cudaStreamSynchronize": 1.0}, "compute_stream": 7, "overlap": {13: 0.1},
                      "comm_overlap": 0.1, "streams_from": "markers"}}
     failures = gpu_check.verdict(bad, dry=False)
-    assert len(failures) == 5, failures
-    assert len(gpu_check.verdict(bad, dry=True)) == 2  # a dry run: the CUDA tests' exit and the error step
+    assert len(failures) == 6, failures
+    assert len(gpu_check.verdict(bad, dry=True)) == 3  # a dry run: the CUDA tests' exit, the exits, the error step
     for trace, text in (({"streams_from": "busiest stream"}, "marker kernels were not found"),
                         ({"window_found": False}, "host-blocking calls were not counted"),
                         ({"world": 2, "comm_overlap": None}, "no collective kernels traced")):
@@ -315,9 +317,9 @@ def test_gpu_check_verdict_fails_on_what_a_gpu_must_not_show():
     assert gpu_check.verdict(raised, dry=True) == ["section memory raised RuntimeError: x"]
     err = raised["memory"]
     block = gpu_check.render({"device_name": "d", "tests": {"command": "c", "exit": 0, "summary": "s"},
-                              **{k: err for k in ("trace", "overhead", "compile", "memory", "syncs", "errors")},
+                              **{k: err for k in ("trace", "overhead", "compile", "memory", "syncs", "errors", "exits")},
                               "failures": ["f"]}, dry=True, device="cpu", argv=[])
-    assert block.count("**Raised** `RuntimeError: x`") == 6 and "FAIL: f" in block
+    assert block.count("**Raised** `RuntimeError: x`") == 7 and "FAIL: f" in block
 
 
 @pytest.mark.parametrize("script", ["gpu_time.py", "gpu_memory.py"])

@@ -237,7 +237,7 @@ def test_torch_save_of_each_ranks_state_dict_resumes_exactly(tmp_path):
     assert torch.equal(flat(model2), flat(ref_model))
 
 
-def _rank_worker(rank: int, world: int) -> dict:
+def _rank_worker(rank: int, world: int, fresh_model: bool = False) -> dict:
     model = make_model()
     opt = AccoOptimizer(model.parameters(), mode="acco", microbatches_per_update=2, **KW)
     for t in range(3):
@@ -248,12 +248,16 @@ def _rank_worker(rank: int, world: int) -> dict:
     # rank 1 is handed rank 0's shard (a torch.save on rank 0 only, loaded everywhere)
     objs = [sd]
     torch.distributed.broadcast_object_list(objs, src=0)
+    if fresh_model and rank == 0:  # as in a fresh process whose model was not loaded: rank 0 also refuses that
+        with torch.no_grad():
+            next(model.parameters()).add_(1.0)
     before = flat(model).clone(), opt._flat.master.clone()
     out = {"rank": rank}
     try:
         opt.load_state_dict(objs[0])
         out["error"] = None
-    except ValueError as exc:
+    except RuntimeError as exc:  # the ranks disagree: a RuntimeError, as torch.distributed's errors
+        assert isinstance(exc, ValueError), type(exc)  # and still the ValueError it always was
         out["error"] = str(exc)
     out["unchanged"] = torch.equal(before[0], flat(model)) and torch.equal(before[1], opt._flat.master)
     full = opt.consolidated_state_dict()
@@ -264,10 +268,13 @@ def _rank_worker(rank: int, world: int) -> dict:
     return out
 
 
-def test_a_shard_loaded_on_another_rank_is_refused_and_consolidation_works_after_finish():
-    """Check rank 0's state dict is refused on rank 1 (and accepted on rank 0), and consolidated_state_dict() after finish()."""
-    r0, r1 = run_ranks(_rank_worker, 2)
-    assert "rank(s) [1] were given rank 0's shard" in r0["error"] and r0["unchanged"], r0  # every rank says it
+@pytest.mark.parametrize("fresh_model", [False, True], ids=["same-model", "fresh-model"])
+def test_a_shard_loaded_on_another_rank_is_refused_and_consolidation_works_after_finish(fresh_model):
+    """Check rank 0's state dict is refused on rank 1, and on rank 0 (its own file) with the cause named on both,
+    also when rank 0 finds something else wrong (its model's weights); and consolidated_state_dict() after finish()."""
+    r0, r1 = run_ranks(_rank_worker, 2, fresh_model)
+    assert "every rank was given rank 0's shard (this rank's own file)" in r0["error"] and r0["unchanged"], r0
+    assert "model's weights" not in r0["error"], r0  # the mix-up of files, not its consequence
     assert "acco.checkpoint.gather" in r0["error"] and "optim.rank{rank}.pt" in r0["error"], r0
     assert r1["error"] is not None and "rank 0's shard" in r1["error"] and "loaded here on rank 1" in r1["error"], r1
     assert "acco.checkpoint.save" in r1["error"] and r1["unchanged"]
@@ -372,7 +379,7 @@ def test_exit_without_finish_is_clean():
     out = run_command([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
                        script, "4"], timeout=120)
     assert "terminate called" not in out and out.count("a round in flight: True") == 2, out[-2000:]
-    assert out.count("closed at exit without finish()") == 2, out[-2000:]  # the handler ran on both ranks
+    assert out.count("closed without finish()") == 2, out[-2000:]  # the handler ran on both ranks
 
 
 @pytest.mark.parametrize("reentrant", [True, False])

@@ -457,3 +457,19 @@ def test_a_rank_one_update_ahead_is_told_on_every_rank():
             assert r["type"] == "RoundMismatchError", (rank, case, r)
             assert "ran different numbers of updates" in r["error"] and "next_update_index" in r["error"], (rank, r)
             assert r["s"] < 30, (rank, case, r)  # at once: neither waits for a timeout
+
+
+def test_every_public_exception_lives_in_acco_errors_and_disagreements_are_runtime_errors():
+    """One module holds the library's exceptions; those raised for ranks that disagree are RuntimeErrors (as
+    torch.distributed's), so ``except RuntimeError`` around a step or a load catches them."""
+    import inspect
+
+    import acco
+    import acco.errors
+
+    public = {n: o for n, o in vars(acco).items() if inspect.isclass(o) and issubclass(o, BaseException)}
+    assert set(public) == set(acco.errors.__all__), sorted(public)
+    assert all(o.__module__ == "acco.errors" for o in public.values())
+    for cls in (acco.RoundMismatchError, acco.HyperParameterMismatchError, acco.ShardOfAnotherRankError,
+                acco.RanksDisagreeError, acco.RoundFailedError):
+        assert issubclass(cls, RuntimeError), cls

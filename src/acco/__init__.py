@@ -4,12 +4,20 @@ ACCO ("Accumulate While You Communicate", Nabli et al., NeurIPS 2025,
 arXiv 2406.02613) as a drop-in ``torch.optim`` optimizer.
 """
 
-from .checkpoint import CheckpointError
+from . import checkpoint  # acco.checkpoint after a plain `import acco`
 from .ddp import disable_gradient_allreduce
-from .grads import ModelMovedError
 from .launch import init_process_group
 from .optimizer import AccoOptimizer
-from .rounds import HyperParameterMismatchError, NonFiniteGradientError, RoundFailedError, RoundMismatchError
+from .errors import (
+    CheckpointError,
+    HyperParameterMismatchError,
+    ModelMovedError,
+    NonFiniteGradientError,
+    RanksDisagreeError,
+    RoundFailedError,
+    RoundMismatchError,
+    ShardOfAnotherRankError,
+)
 from .scheduler import StreamScheduler
 
 __all__ = [
@@ -18,8 +26,10 @@ __all__ = [
     "HyperParameterMismatchError",
     "ModelMovedError",
     "NonFiniteGradientError",
+    "RanksDisagreeError",
     "RoundFailedError",
     "RoundMismatchError",
+    "ShardOfAnotherRankError",
     "StreamScheduler",
     "disable_gradient_allreduce",
     "init_process_group",

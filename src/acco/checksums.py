@@ -15,16 +15,14 @@ from typing import Any, Dict, Optional
 import torch
 import torch.distributed as dist
 
+from .errors import CheckpointError
+
 __all__ = ["CheckpointError", "checksums", "replicated_only", "verify"]
 
 log = logging.getLogger("acco")
 
 
 _CHUNK = 1 << 20  # words per step of a checksum: its temporaries stay small
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be read, or whose contents do not match their checksums. Nothing was loaded."""
 
 
 def _partial_checksum(t: torch.Tensor, start: int) -> torch.Tensor:

@@ -101,6 +101,10 @@ class RoundDriver:
         except _ALL_RANKS_ALIKE as exc:
             self.failed = exc
             raise
+        except (KeyboardInterrupt, SystemExit) as exc:  # a signal (Ctrl-C, a handler's sys.exit) stays what it is
+            if not self.scheduler.in_flight:  # CUDA: it cut the round's issue short, the round group is unusable
+                self.failed = exc
+            raise  # CPU: it interrupted the wait, and the round is still in flight (still collectable)
         except BaseException as exc:
             self.failed = exc
             raise RoundFailedError(
@@ -202,19 +206,21 @@ class RoundDriver:
         self.release_group()
 
     def close_at_exit(self) -> bool:
-        """At interpreter exit without ``finish()``: let the in-flight round end, then release the round group.
-        No collective. Returns whether the group was released."""
-        stuck = self.failed is not None
-        if not stuck:
-            self.scheduler.synchronize()  # CUDA: the last round has finished on the device before its group goes
-        self.scheduler.close(wait=False, join_timeout=0.0 if stuck else 60.0)
-        if stuck or self.scheduler.worker_alive():
-            return False
-        self.release_group()
-        return True
+        """The optimizer was dropped, or the interpreter exits, without ``finish()``: let the in-flight round end,
+        then release the round group. No collective. Returns whether the round ended.
 
-    def release_group(self) -> None:
-        """Destroy the process group the rounds used, now rather than at interpreter exit.
+        A round that does not end in time (a peer that never issued it, or a round whose issue an interrupt cut
+        short) is not waited for: its group is aborted instead (NCCL: the communicator is aborted without
+        waiting for its kernels; gloo: its pending work is cancelled), so the process exits promptly either way.
+        """
+        failed = self.failed is not None
+        ended = self.scheduler.settle(timeout=1.0 if failed else 60.0)
+        self.scheduler.close(wait=False, join_timeout=5.0 if ended else 0.0)  # the worker drops the round's tensors
+        self.release_group(abort=not ended)
+        return ended
+
+    def release_group(self, abort: bool = False) -> None:
+        """Destroy (or, with ``abort``, abort) the process group the rounds used, now rather than at exit.
 
         gloo's worker threads release finished work (and its Python tensors)
         when the group is destroyed; if that happens during interpreter
@@ -222,5 +228,9 @@ class RoundDriver:
         exception", pytorch/pytorch#190489).
         """
         group, self.ctx.group = self.ctx.group, None
-        if group is not None and dist.is_initialized():
+        if group is None or not dist.is_initialized():
+            return
+        if abort:
+            dist.distributed_c10d._abort_process_group(group)  # local: cancels the group's pending work
+        else:
             dist.destroy_process_group(group)

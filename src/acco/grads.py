@@ -29,11 +29,9 @@ from typing import Any, Callable, Optional, Sequence
 
 import torch
 
+from .errors import ModelMovedError
+
 __all__ = ["GradBinding", "ModelMovedError"]
-
-
-class ModelMovedError(RuntimeError):
-    """A parameter changed device or dtype after the optimizer was built."""
 
 
 class GradBinding:

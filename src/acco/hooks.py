@@ -3,9 +3,9 @@
 Parameters keep their hooks for as long as they live; the hooks hold the
 optimizer's reactions (bound methods) only weakly, so a dropped optimizer (and
 its process group) is not kept alive in a cycle that only the collector breaks
-at exit. The reactions of optimizers never ``finish()``-ed run at exit
-(:func:`close_at_exit`). This module is handed callables; it reads nothing of
-the optimizer.
+at exit. An optimizer never ``finish()``-ed is closed when it is dropped or at
+interpreter exit, whichever comes first (:func:`close_unfinished`). This module
+is handed callables; it reads nothing of the optimizer.
 """
 
 from __future__ import annotations
@@ -18,18 +18,29 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
-__all__ = ["close_at_exit", "install", "refuse_reentrant_backward", "weakly"]
+__all__ = ["close_unfinished", "install", "refuse_reentrant_backward", "weakly"]
 
-_AT_EXIT: Dict[int, "weakref.WeakMethod"] = {}  # what closes each live optimizer, held weakly
+_UNFINISHED: Dict[int, "weakref.finalize"] = {}  # the closer of each optimizer not finished yet
 
 
-def close_at_exit(key: int, closer: Optional[Callable[[], None]]) -> None:
-    """Run ``closer`` at interpreter exit unless the optimizer ``key`` is gone or finished first (``None``:
-    no longer)."""
-    if closer is None:
-        _AT_EXIT.pop(key, None)
-    else:
-        _AT_EXIT[key] = weakref.WeakMethod(closer)
+def close_unfinished(owner: Any, closer: Callable[[], None]) -> "weakref.finalize":
+    """Run ``closer()`` once, when ``owner`` is dropped or at interpreter exit, whichever comes first.
+
+    ``closer`` must not reference ``owner`` (it would never be dropped). Why both moments: a script whose
+    ``main()`` returns drops its optimizer *before* exit, and a round left running then, or a round group
+    destroyed during interpreter finalisation, aborts the process ("terminate called without an active
+    exception"). Returns the handle: ``detach()`` it once the owner closed itself (``finish()``).
+    """
+    key = id(owner)
+    handle = weakref.finalize(owner, _close, key, closer)
+    handle.atexit = False  # run by this module's exit hook below, not by weakref's (registered who knows when)
+    _UNFINISHED[key] = handle
+    return handle
+
+
+def _close(key: int, closer: Callable[[], None]) -> None:
+    _UNFINISHED.pop(key, None)
+    closer()
 
 
 def weakly(method: Callable[..., Any]) -> Callable[..., Any]:
@@ -93,10 +104,8 @@ def _before_accumulate(method: "weakref.WeakMethod", index: int, grads: Any) -> 
 
 @atexit.register
 def _close_all_at_exit() -> None:
-    for method in list(_AT_EXIT.values()):
-        closer = method()
-        if closer is not None:
-            closer()
+    for handle in list(_UNFINISHED.values()):
+        handle()  # runs the closer unless it already ran or was detached
 
 
 def refuse_reentrant_backward() -> None:

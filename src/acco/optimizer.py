@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
+from functools import partial
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Tuple, Union
 
 import torch
@@ -330,7 +331,7 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         self._constructed = True  # add_param_group() from here on would change the layout: refused
         self._hook_handles = hooks.install(self._params, self._on_grad_accumulated,
                                            self._on_incoming_grad if self._flat.fold_on_arrival else None)
-        hooks.close_at_exit(id(self), self._close_at_exit)  # if finish() never came
+        self._closer = hooks.close_unfinished(self, partial(_close_unfinished, self._driver))  # if finish() never comes
 
     @classmethod
     def from_optimizer(cls, optimizer: Any, **options: Any) -> "AccoOptimizer":
@@ -577,14 +578,16 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
 
         An in-flight estimate is dropped (the model already holds ``theta_t``),
         and so are micro-batches whose ``step()`` has not come. Idempotent.
-        Optional: without it, the process still exits cleanly (the round is
-        waited for at exit), but the model may hold an estimate.
+        Optional: without it, however the process ends it exits cleanly, with
+        the code it meant (the round in flight is waited for, at most 60 s,
+        when the optimizer is dropped or at exit; docs/errors.md, "How a
+        process ends"), but the model may hold an estimate.
         Collective: call on all ranks.
         """
         if self._failed is not None:  # no collective, no wait: a peer may be gone
             if not self._finished:
                 self._finished = True
-                self.scheduler.close(wait=False, join_timeout=0.0)
+                self._driver.close_at_exit()  # no wait for a stuck round: its group is aborted
                 self._remove_hooks()
             raise RuntimeError("AccoOptimizer.finish(): a previous round failed; nothing to finish") from self._failed
         if self._finished:
@@ -621,16 +624,7 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         for handle in self._hook_handles:
             handle.remove()
         self._hook_handles = []
-        hooks.close_at_exit(id(self), None)
-
-    def _close_at_exit(self) -> None:
-        """At interpreter exit without finish(): let the in-flight round end, then release the round group
-        (gloo work freed during interpreter finalisation aborts the process). No collective."""
-        if self._finished:
-            return
-        self._finished = True
-        if self._driver.close_at_exit():
-            log.info("acco: closed at exit without finish(): the in-flight round ended, the round group released")
+        self._closer.detach()
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -681,3 +675,11 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         current weights. Call on all ranks (each keeps its share)."""
         state_io.require_boundary(self._owners, "load_consolidated_state_dict")
         state_consolidated.load_consolidated_state_dict(self._owners, state_dict, self._params)
+
+
+def _close_unfinished(driver: RoundDriver) -> None:
+    """An optimizer dropped, or alive at interpreter exit, without ``finish()``: let the in-flight round end,
+    then release the round group (a round left running, or gloo work freed during interpreter finalisation,
+    aborts the process). No collective: the peers may be gone or elsewhere."""
+    if driver.close_at_exit():
+        log.info("acco: closed without finish(): the in-flight round ended, the round group released")

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from . import functional
+from .errors import HyperParameterMismatchError, NonFiniteGradientError, RoundFailedError, RoundMismatchError
 from .collectives import all_gather_flat, all_reduce_sum, reduce_scatter_flat
 from .snapshot import OptimizerSnapshot, skips_in_kernel
 from .wrapped import WrappedOptimizers
@@ -160,22 +161,6 @@ class RoundReport:
     round id of rank 0, ..., round id of rank N-1]`` (float64)."""
 
     ROUND_MISMATCH, HYPER_MISMATCH, NONFINITE, NORM, IDS = 0, 1, 2, 3, 4
-
-
-class NonFiniteGradientError(FloatingPointError):
-    """The averaged gradient of a round holds inf or NaN (raised on every rank alike)."""
-
-
-class RoundFailedError(RuntimeError):
-    """A round's collectives failed: usually a peer died or stalled. The optimizer cannot continue."""
-
-
-class RoundMismatchError(RuntimeError):
-    """The ranks handed off different rounds (an estimate on one, a commit on another); raised on every rank."""
-
-
-class HyperParameterMismatchError(RuntimeError):
-    """The ranks handed off one round with different hyper-parameters (raised on every rank alike)."""
 
 
 def global_grad_norm(grad_shard: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:

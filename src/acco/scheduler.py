@@ -54,6 +54,7 @@ from __future__ import annotations
 import concurrent.futures
 import queue
 import threading
+import time
 from functools import partial
 from typing import Any, Callable, Iterable, Optional, Sequence, TypeVar
 
@@ -254,6 +255,10 @@ class StreamScheduler:
         timing.wait_begin = HostTiming.now()
         try:
             result = pending.result()  # blocks until the worker has run the round; re-raises
+        except BaseException:
+            if not pending.done():  # the wait itself was interrupted (Ctrl-C): the round is still in flight
+                self._pending, self._timing = pending, timing
+            raise
         finally:
             timing.wait_end = HostTiming.now()
         self.last_timing = timing
@@ -282,6 +287,23 @@ class StreamScheduler:
         after ``wait``). For the rare places that must: ``finish()``, checkpoints, errors."""
         if self.uses_streams and self._last_end is not None:
             self._last_end.synchronize()
+
+    def settle(self, timeout: float) -> bool:
+        """Wait at most ``timeout`` s for the rounds handed off so far to end; return whether they did. Never
+        raises. CPU: the worker has run them. CUDA: the last round's end event has completed on the device
+        (polled, so that a round whose peers never issue it cannot hold the host forever)."""
+        deadline = time.monotonic() + timeout
+        if self.uses_streams:
+            end = self._last_end
+            while end is not None and not end.query():
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(0.001)  # host polls the side stream's last end event (no stream is made to wait)
+            return True
+        if self._pending is not None:
+            concurrent.futures.wait([self._pending], timeout=max(0.0, deadline - time.monotonic()))
+            return self._pending.done()
+        return True
 
     def install(self, params: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> None:
         """Copy a finished round's weights into the parameters, in place (the theta/theta~ swap).

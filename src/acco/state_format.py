@@ -30,6 +30,8 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
+from .errors import ShardOfAnotherRankError
+
 __all__ = ["FORMAT_VERSION", "GATHERED", "ShardOfAnotherRankError", "SHARD_FIX", "IMPLEMENTATION_FLAGS", "StateOwners", "check_compatible", "classify",
            "decode_meta", "encode_meta", "hyper_entries", "own_entry", "piece_key", "parse_piece_key",
            "restore_hyper"]
@@ -106,14 +108,6 @@ def classify(sd: Any) -> str:
         )
     keys = sorted(sd) if isinstance(sd, dict) else type(sd).__name__
     raise ValueError(f"AccoOptimizer.load_state_dict() expects what AccoOptimizer.state_dict() returns; got {keys}")
-
-
-class ShardOfAnotherRankError(ValueError):
-    """``opt.state_dict()`` of rank ``saved_rank`` loaded on another rank (every rank read one rank's file)."""
-
-    def __init__(self, message: str, saved_rank: int) -> None:
-        super().__init__(message)
-        self.saved_rank = saved_rank
 
 
 SHARD_FIX = (

@@ -13,7 +13,8 @@ import torch
 
 from . import _validation as V
 from . import state_legacy
-from .checksums import CheckpointError, checksums, verify
+from .checksums import checksums, verify
+from .errors import CheckpointError, RanksDisagreeError
 from .progress import Progress
 from .state_format import (
     SHARD_FIX,
@@ -69,25 +70,36 @@ def state_dict(owners: StateOwners, sharded: bool = False) -> Dict[str, Any]:
     return out
 
 
-def _agree(owners: StateOwners, error: Optional[BaseException]) -> None:
+def _file_rank(sd: Any) -> int:
+    """The rank whose ``opt.state_dict()`` this is (-1: not one rank's state dict, or unreadable)."""
+    try:
+        return int(sd["acco"]["rank"]) if "checksums" in sd else -1
+    except Exception:
+        return -1
+
+
+def _agree(owners: StateOwners, error: Optional[BaseException], file_rank: int) -> None:
     """Raise on every rank if any rank refused its state dict, before any collective of the load
     (one rank loading while another refused would leave the ranks in different collectives), each naming what
-    the refusing ranks were given when it is the common mix-up (one rank's file on every rank). Collective."""
-    other = error.saved_rank if isinstance(error, ShardOfAnotherRankError) else -1
-    rows = owners.gather_row([int(error is not None), other], "load_state_dict() / acco.checkpoint.load()")
+    the refusing ranks were given when it is the common mix-up (one rank's file on every rank: then the rank
+    whose own file it is says so too, whatever else it found wrong). Collective."""
+    rows = owners.gather_row([int(error is not None), file_rank], "load_state_dict() / acco.checkpoint.load()")
     refused = [r for r, row in enumerate(rows) if row[0]]
+    files = {row[1] for row in rows}
+    if refused and len(rows) > 1 and len(files) == 1 and min(files) >= 0:
+        given = files.pop()
+        if isinstance(error, ShardOfAnotherRankError):
+            raise error  # this rank's own refusal says it already (another rank's shard, loaded here)
+        mine = " (this rank's own file)" if given == owners.rank else ""
+        raise ShardOfAnotherRankError(
+            f"AccoOptimizer.load_state_dict() on rank {owners.rank}: every rank was given rank {given}'s shard"
+            f"{mine}: every rank loaded one rank's file, and opt.state_dict() holds one rank's "
+            f"1/{owners.world_size} of the optimizer. {SHARD_FIX}. Nothing was loaded on any rank.", given
+        ) from error
     if error is not None:
         raise error
     if refused:
-        shards = {row[1] for row in rows if row[0]}
-        if all(row[1] >= 0 for row in rows if row[0]) and len(shards) == 1:
-            given = shards.pop()
-            raise ShardOfAnotherRankError(
-                f"AccoOptimizer.load_state_dict() on rank {owners.rank}: rank(s) {refused} were given rank {given}'s "
-                f"shard (opt.state_dict() holds one rank's 1/{owners.world_size} of the optimizer): every rank read "
-                f"rank {given}'s file. {SHARD_FIX}. Nothing was loaded on any rank.", given
-            )
-        raise ValueError(
+        raise RanksDisagreeError(
             f"AccoOptimizer.load_state_dict(): rank(s) {refused} refused their state dict (their error says why); "
             "nothing was loaded on any rank"
         )
@@ -137,6 +149,7 @@ def check_loadable(owners: StateOwners, sd: Dict[str, Any], restore_model: bool 
     """Everything :func:`load_state_dict` refuses, checked on every rank and agreed on before any rank changes
     anything (a refusal on one rank raises on all). Collective."""
     error: Optional[BaseException] = None
+    file_rank = _file_rank(sd)
     try:
         sd = own_entry(sd, owners.rank, owners.world_size)
         kind = classify(sd)
@@ -185,7 +198,7 @@ def check_loadable(owners: StateOwners, sd: Dict[str, Any], restore_model: bool 
             check_model_matches(owners, saved, sd["counters"])
     except Exception as exc:  # whatever it is, every rank must hear of it before the load's collectives
         error = exc
-    _agree(owners, error)
+    _agree(owners, error, file_rank)
 
 
 def load_state_dict(owners: StateOwners, sd: Dict[str, Any], checked: bool = False, restore_model: bool = True,
