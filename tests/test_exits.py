@@ -19,7 +19,6 @@ import time
 from typing import Dict, List, Optional, Tuple
 
 import pytest
-import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 LIMIT = 240  # seconds a launch may take (a hang fails the test)

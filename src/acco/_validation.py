@@ -435,7 +435,14 @@ def check_dtypes(param_dtype: torch.dtype, compute_dtype: Optional[torch.dtype])
 
 
 def resolve_process_group(process_group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
-    """The group to use; ``None`` means one process without collectives."""
+    """The group to use (a 1-D ``DeviceMesh``, e.g. ``mesh["dp"]``, stands for its group); ``None`` means one
+    process without collectives."""
+    if type(process_group).__name__ == "DeviceMesh":
+        if process_group.ndim != 1:
+            raise ValueError(
+                f"process_group is a {process_group.ndim}-D DeviceMesh {process_group.mesh_dim_names}: pass the one "
+                "data-parallel dimension ACCO runs over, e.g. mesh['dp'] (tensor parallelism stays on mesh['tp'])")
+        process_group = process_group.get_group()
     if process_group is not None:
         if not dist.is_available() or not dist.is_initialized():
             raise RuntimeError("process_group given but torch.distributed is not initialised: call "

@@ -52,6 +52,7 @@ def fingerprints(opt: Any) -> List[Tuple[str, Any]]:
         ("the model (parameter shapes/dtypes, param groups)",
          [len(g["params"]) for g in opt.param_groups] + [f"{tuple(p.shape)}:{p.dtype}" for g in opt.param_groups
                                                          for p in g["params"]]),
+        ("the DeviceMesh and placements of DTensor parameters", opt._shards.describe()),
         ("mode", opt.mode),
         ("optimizer_class", f"{cls.__module__}.{cls.__qualname__}"),
         ("microbatches_per_update / accumulate_while_communicating / min/max_microbatches",

@@ -8,7 +8,7 @@ local copy, so the same round code serves one process and many.
 from __future__ import annotations
 
 import os
-from typing import Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -17,9 +17,12 @@ __all__ = [
     "all_gather_flat",
     "all_reduce_sum",
     "connect",
+    "destroy_spare_round_groups",
     "group_rank",
     "group_size",
+    "new_round_group",
     "reduce_scatter_flat",
+    "release_round_group",
     "ring_algorithm",
     "ring_all_gather",
     "ring_reduce_scatter",
@@ -67,6 +70,54 @@ def ring_algorithm(group: Optional[dist.ProcessGroup]) -> str:
     if backend == "gloo":
         return "ring"
     return "native"
+
+
+# Round groups made by local synchronisation (over a subgroup, e.g. a DeviceMesh dimension), kept for reuse:
+# torch names such a group after its ranks, and one destroyed and made again would read its predecessor's
+# addresses from the store (gloo: "connectFullMesh ... Connection refused").
+_SPARE: Dict[Tuple[Any, ...], List[dist.ProcessGroup]] = {}
+_KEY: Dict[dist.ProcessGroup, Tuple[Any, ...]] = {}
+
+
+def new_round_group(group: dist.ProcessGroup, timeout: Any) -> dist.ProcessGroup:
+    """A process group of its own for rounds, over ``group``'s ranks (a spare one when a finished optimizer left
+    one). Collective on ``group``'s ranks (all of WORLD's when ``group`` is WORLD)."""
+    ranks, backend = dist.get_process_group_ranks(group), dist.get_backend(group)
+    local = group is not dist.group.WORLD
+    if not local:
+        return dist.new_group(ranks=ranks, backend=backend, timeout=timeout)
+    key = (tuple(ranks), backend, timeout)
+    spare = _SPARE.get(key)
+    if spare:
+        return spare.pop()  # every rank of the group finished its previous optimizer alike: each pops one
+    made = dist.new_group(ranks=ranks, backend=backend, timeout=timeout, use_local_synchronization=True)
+    _KEY[made] = key
+    return made
+
+
+def release_round_group(group: dist.ProcessGroup, abort: bool = False) -> None:
+    """A finished optimizer's round group: kept for the next one when made over a subgroup, else destroyed
+    (``abort``: aborted, not kept: its last round may not have ended). Local: no collective."""
+    if not dist.is_initialized() or group not in dist.distributed_c10d._world.pg_map:
+        return  # already gone (the default group was destroyed with every group)
+    if abort:
+        _KEY.pop(group, None)
+        dist.distributed_c10d._abort_process_group(group)  # local: cancels the group's pending work
+    elif group in _KEY:
+        _SPARE.setdefault(_KEY[group], []).append(group)
+    else:
+        dist.destroy_process_group(group)
+
+
+def destroy_spare_round_groups() -> None:
+    """At interpreter exit: destroy the kept round groups (gloo work freed during interpreter finalisation
+    aborts the process). Local."""
+    for groups in _SPARE.values():
+        for group in groups:
+            _KEY.pop(group, None)
+            if dist.is_initialized() and group in dist.distributed_c10d._world.pg_map:
+                dist.destroy_process_group(group)
+    _SPARE.clear()
 
 
 def connect(group: Optional[dist.ProcessGroup], device: torch.device) -> None:

@@ -15,10 +15,10 @@ from dataclasses import replace
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
-import torch.distributed as dist
 
 from .agreement import COLLECTIVE_CALLS, hyper_fingerprint, waiting_failed
 from .buffers import FlatBuffers
+from .collectives import release_round_group
 from .progress import Progress
 from .rounds import (
     HyperParameterMismatchError,
@@ -220,7 +220,8 @@ class RoundDriver:
         return ended
 
     def release_group(self, abort: bool = False) -> None:
-        """Destroy (or, with ``abort``, abort) the process group the rounds used, now rather than at exit.
+        """Release (destroy, keep for the next optimizer, or with ``abort`` abort) the process group the rounds
+        used, now rather than during interpreter finalisation.
 
         gloo's worker threads release finished work (and its Python tensors)
         when the group is destroyed; if that happens during interpreter
@@ -228,9 +229,5 @@ class RoundDriver:
         exception", pytorch/pytorch#190489).
         """
         group, self.ctx.group = self.ctx.group, None
-        if group is None or not dist.is_initialized():
-            return
-        if abort:
-            dist.distributed_c10d._abort_process_group(group)  # local: cancels the group's pending work
-        else:
-            dist.destroy_process_group(group)
+        if group is not None:
+            release_round_group(group, abort)

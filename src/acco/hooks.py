@@ -18,6 +18,8 @@ from typing import Any, Callable, Dict, List, Optional, Sequence
 
 import torch
 
+from .collectives import destroy_spare_round_groups
+
 __all__ = ["close_unfinished", "install", "refuse_reentrant_backward", "weakly"]
 
 _UNFINISHED: Dict[int, "weakref.finalize"] = {}  # the closer of each optimizer not finished yet
@@ -106,6 +108,7 @@ def _before_accumulate(method: "weakref.WeakMethod", index: int, grads: Any) -> 
 def _close_all_at_exit() -> None:
     for handle in list(_UNFINISHED.values()):
         handle()  # runs the closer unless it already ran or was detached
+    destroy_spare_round_groups()  # the round groups finished optimizers left for reuse
 
 
 def refuse_reentrant_backward() -> None:

@@ -38,14 +38,15 @@ from . import _validation as V
 from . import agreement
 from . import state_consolidated, state_io
 from . import ddp as _ddp
-from . import hooks
+from . import hooks, mesh
 from .agreement import hyper_fingerprint
 from .buffers import FlatBuffers
-from .collectives import connect, group_rank, group_size, ring_algorithm
+from .collectives import connect, group_rank, group_size, new_round_group, ring_algorithm
 from .driver import RoundDriver
 from .introspection import Introspection
 from .placement import Layout
 from .loops import ElasticLoop, LoopContext, UpdateLoop
+from .mesh import LocalShards
 from .progress import Progress
 from .rounds import OptimizerSnapshot, RoundContext, RoundKind
 from .scheduler import StreamScheduler
@@ -217,6 +218,9 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         V.drop_foreign_defaults(self.param_groups, classes, optimizer_class, optimizer_kwargs)
         self._params: List[torch.Tensor] = [p for g in self.param_groups for p in g["params"]]
         V.check_params(self._params, compute_dtype)
+        # DTensor parameters (tensor parallel): ACCO works on each rank's local shards (the same storage).
+        self._shards = LocalShards(self._params)
+        local = self._shards.locals
         V.check_dtypes(self._params[0].dtype, compute_dtype)
         self._classes = classes
         kinds = {cls: placement_of(cls, placement) for cls in dict.fromkeys(classes)}
@@ -227,7 +231,7 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
             start += len(g["params"])
             V.check_whole_tensors(cls, kinds[cls], g["params"], len(placements))
             placements += [kinds[cls]] * len(g["params"])
-            costs += [placement_cost(cls, p.shape, g) for p in g["params"]]
+            costs += [placement_cost(cls, local[i].shape, g) for i in index_of_group[-1]]
 
         self.mode = mode
         self.accumulate_while_communicating = bool(accumulate_while_communicating)
@@ -251,7 +255,9 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
                                                        self.world_size)
         self._model_buffers = V.check_buffers(buffers, device)
         self._progress = Progress(torch.zeros((), dtype=torch.float64, device=device), microbatches_per_update)
-        self.layout = Layout.build([p.shape for p in self._params], self.world_size, placements, costs)
+        mesh.check_supported(self._shards, self._group, max_grad_norm=max_grad_norm, whole="whole" in placements,
+                             dtypes_plain=self.compute_dtype == self.accumulation_dtype == self._params[0].dtype)
+        self.layout = Layout.build([p.shape for p in local], self.world_size, placements, costs)
         if self.layout.padding > 0.1 * self.layout.numel:
             log.warning("acco: the flat buffer holds %d elements for %d of parameters (%.0f%% padding, sent by every "
                         "round): a tensor placed whole is larger than 1/%d of the model (docs/usage.md, placement)",
@@ -260,15 +266,10 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         round_group = None
         if self._group is not None:
             agreement.check_same_model(self._group, agreement.fingerprints(self), self.layout.numel, len(self._params), device)
-            agreement.broadcast_parameters(self._params, self._group)
+            agreement.broadcast_parameters(local, self._group)
             # Rounds talk on a group of their own, so the user's collectives on the main thread can never
             # interleave with a round's.
-            round_group = dist.new_group(
-                ranks=dist.get_process_group_ranks(self._group),
-                backend=dist.get_backend(self._group),
-                timeout=timeout,
-                use_local_synchronization=self._group is not dist.group.WORLD,
-            )
+            round_group = new_round_group(self._group, timeout)
             connect(round_group, device)  # its communicator now, from this thread, not in the first backward
         # The agreement gathers of the public collective calls (which call every rank is in, refusals, round
         # counts) run on the main thread. With ``timeout`` they get a small CPU (gloo) group of their own that
@@ -280,7 +281,7 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
                 use_local_synchronization=self._group is not dist.group.WORLD,
             )
             self._control_device = torch.device("cpu")
-        self._flat = FlatBuffers(self._params, self.layout, self.rank, self.compute_dtype, self.accumulation_dtype,
+        self._flat = FlatBuffers(local, self.layout, self.rank, self.compute_dtype, self.accumulation_dtype,
                                  self.reduce_dtype,
                                  separate_grads=self.accumulate_while_communicating,
                                  collectives=ring_algorithm(round_group), estimate_dtype=self.estimate_dtype)
@@ -467,6 +468,8 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         """Post-accumulate-grad hook of parameter ``index`` (inside backward)."""
         if self._in_committed_view:
             raise RuntimeError("AccoOptimizer: backward() inside opt.committed_weights(); call it after the block")
+        if self._shards.any:
+            self._shards.take_grad(index)  # the DTensor gradient's local shard into the buffer
         self._flat.binding.after_accumulate(index)
         self._progress.at_boundary = False
         if not self._loop.queues_end_of_backward:
@@ -530,6 +533,8 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         self._check_ddp_once()
+        if self._shards.any:
+            mesh.refuse_grad_outside_autograd(self._shards)
         self._loop.step()
         return loss
 
@@ -628,6 +633,15 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ checkpoints
 
+    def _refuse_mesh(self, call: str) -> None:
+        """The checkpoint forms keyed by parameter and element do not yet tell the shards of a DTensor apart."""
+        if self._shards.any:
+            raise NotImplementedError(
+                f"AccoOptimizer.{call} with DTensor parameters is not supported yet: save opt.state_dict() on every "
+                "rank to a file of its own (torch.save(opt.state_dict(), f'optim.rank{dist.get_rank()}.pt')) with "
+                "the model's DTensor state dict through torch.distributed.checkpoint, and resume on the same mesh "
+                "(docs/models-larger-than-one-device.md)")
+
     def _describe(self) -> Dict[str, Any]:
         """What a state dict of this optimizer holds, independent of the world size (format 3)."""
         classes = list(dict.fromkeys(self._classes))
@@ -648,6 +662,7 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
     def sharded_state_dict(self) -> Dict[str, Any]:
         """The state for ``torch.distributed.checkpoint``: each rank's pieces keyed by parameter and first
         element, so DCP writes each once and a load on any world size reads those it needs. Local."""
+        self._refuse_mesh("sharded_state_dict() / acco.checkpoint.save/load")
         return state_io.state_dict(self._owners, sharded=True)
 
     def load_state_dict(self, state_dict: Dict[str, Any], *, restore_model: bool = False,
@@ -666,6 +681,7 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
     def consolidated_state_dict(self) -> Dict[str, Any]:
         """Full per-parameter state in the wrapped optimizer's own format (with several classes: each
         parameter's state that of its class, by its index in this optimizer's groups). Collective."""
+        self._refuse_mesh("consolidated_state_dict()")
         state_io.require_boundary(self._owners, "consolidated_state_dict")
         self._all_gather_row([0], "consolidated_state_dict()")  # every rank is here (not one update ahead)
         return state_consolidated.consolidated_state_dict(self._owners)
@@ -673,6 +689,7 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
     def load_consolidated_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Take a plain optimizer's ``state_dict()``; the master comes from the model's
         current weights. Call on all ranks (each keeps its share)."""
+        self._refuse_mesh("load_consolidated_state_dict()")
         state_io.require_boundary(self._owners, "load_consolidated_state_dict")
         state_consolidated.load_consolidated_state_dict(self._owners, state_dict, self._params)
 

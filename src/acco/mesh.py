@@ -1,0 +1,127 @@
+"""DTensor parameters (FSDP2 or tensor parallelism on a ``DeviceMesh``): ACCO over the data-parallel group, on
+local shards.
+
+A model sharded the torchtitan way holds ``DTensor`` parameters whose mesh is
+the intra-host dimension (``mesh["tp"]``, FSDP2's or tensor parallelism's); the data-parallel dimension
+across hosts (``mesh["dp"]``) is ACCO's. Ranks of one data-parallel group hold
+the same shard of every parameter, so ACCO runs unchanged on each rank's
+*local* shards: the flat buffers, the theta/theta~ swap, the accumulation and
+the round's reduce-scatter -> sharded step -> all-gather act on the local
+tensors (which share the DTensors' storage), and the round's collectives run
+on the data-parallel group only.
+
+Gradients: autograd (tensor parallelism) or FSDP2's reduce-scatter (which
+then runs the parameter's post-accumulate hooks) puts a ``DTensor`` gradient in
+each parameter's ``.grad``; the parameter's post-accumulate hook moves its
+local shard into the library's buffer (:meth:`LocalShards.take_grad`) and sets
+``.grad`` to ``None``, so the usual machinery sees a plain gradient.
+
+What is not supported yet is refused at construction (:func:`check_supported`):
+``max_grad_norm`` (the norm must span the model dimension), whole-tensor
+optimizers (Muon, Adafactor), dtypes other than the parameters', and mixed
+plain and DTensor parameters; a gradient that arrives without running the
+hooks, at ``step()``. No collective here.
+"""
+
+from __future__ import annotations
+
+from typing import Any, List, Optional, Sequence
+
+import torch
+import torch.distributed as dist
+
+__all__ = ["LocalShards", "check_supported", "is_dtensor", "refuse_grad_outside_autograd"]
+
+
+def is_dtensor(p: Any) -> bool:
+    """Whether ``p`` is a ``torch.distributed.tensor.DTensor`` (without importing it for plain models)."""
+    return type(p).__name__ == "DTensor" or any(c.__name__ == "DTensor" for c in type(p).__mro__)
+
+
+class LocalShards:
+    """The user's parameters, and the plain tensor ACCO works on for each: a DTensor's local shard (the same
+    storage, so writes into it are the DTensor's), or the plain parameter itself."""
+
+    def __init__(self, params: Sequence[torch.Tensor]) -> None:
+        self.params = list(params)
+        self.sharded = [is_dtensor(p) for p in self.params]
+        self.any = any(self.sharded)
+        self.locals: List[torch.Tensor] = [p._local_tensor if s else p for p, s in zip(self.params, self.sharded)]
+        self.mesh = self.params[self.sharded.index(True)].device_mesh if self.any else None
+
+    @torch.no_grad()
+    def take_grad(self, index: int) -> None:
+        """Post-accumulate hook of DTensor parameter ``index``: add its local gradient into the local tensor's
+        ``.grad`` (the library's buffer) and drop the DTensor gradient."""
+        p = self.params[index]
+        if not self.sharded[index] or p.grad is None:
+            return
+        local = self.locals[index]
+        grad = p.grad.to_local()
+        if local.grad is None:
+            local.grad = grad.clone()
+        else:
+            local.grad.add_(grad)
+        p.grad = None
+
+    def describe(self) -> str:
+        """What the mesh and the placements are, for the fingerprint every rank must agree on."""
+        if not self.any:
+            return "no mesh"
+        rows = [f"{tuple(p.device_mesh.mesh_dim_names or ())}:{p.device_mesh.shape}:{tuple(map(str, p.placements))}"
+                for p, s in zip(self.params, self.sharded) if s]
+        return ";".join(rows)
+
+
+def check_supported(shards: LocalShards, group: Optional[dist.ProcessGroup], *, max_grad_norm: Optional[float],
+                    whole: bool, dtypes_plain: bool) -> None:
+    """Refuse, before anything is built, what DTensor parameters do not support yet, naming what works."""
+    if not shards.any:
+        return
+    works = ("What works: FSDP2 (fully_shard(model, mesh=mesh['tp'])) or tensor parallelism (parallelize_module "
+             "on mesh['tp']) inside a host, with AccoOptimizer over "
+             "process_group=mesh['dp'] (or mesh['dp'].get_group()), an element-wise optimizer (AdamW, Adam, SGD), "
+             "the parameters' own dtype, nonfinite='skip' or 'raise' (docs/models-larger-than-one-device.md)")
+    if not all(shards.sharded):
+        plain = [i for i, s in enumerate(shards.sharded) if not s]
+        raise TypeError(
+            f"AccoOptimizer: parameters {plain[:8]} are plain tensors and the others DTensors: give it all of a "
+            f"model's trainable parameters after parallelize_module (it makes every parameter a DTensor). {works}")
+    meshes = {str(p.device_mesh) for p in shards.params}
+    if len(meshes) > 1:
+        raise ValueError(f"AccoOptimizer: the DTensor parameters live on {len(meshes)} different meshes; give it "
+                         f"parameters on one mesh. {works}")
+    if max_grad_norm is not None:
+        raise NotImplementedError(
+            f"AccoOptimizer: max_grad_norm with DTensor parameters is not supported yet (the norm must span the "
+            f"tensor-parallel dimension). {works}")
+    if whole:
+        raise NotImplementedError(
+            f"AccoOptimizer: an optimizer that steps whole tensors (Muon, Adafactor) on DTensor parameters is not "
+            f"supported yet (each rank holds shards only). {works}")
+    if not dtypes_plain:
+        raise NotImplementedError(
+            f"AccoOptimizer: compute_dtype/accumulation_dtype other than the parameters' dtype with DTensor "
+            f"parameters is not supported yet. {works}")
+    if group is not None and shards.mesh is not None:
+        mine = set(dist.get_process_group_ranks(group))
+        model = set(shards.mesh.mesh.flatten().tolist())
+        if len(mine & model) > 1:
+            raise ValueError(
+                f"AccoOptimizer: process_group (ranks {sorted(mine)}) spans the DTensor parameters' mesh (ranks "
+                f"{sorted(model)}): ACCO would average shards of different tensors, or reduce twice what FSDP2 on "
+                f"a 2-D (HSDP) mesh already reduces across hosts. Give FSDP2/tensor parallelism the intra-host "
+                f"dimension only and ACCO the data-parallel one, e.g. process_group=mesh['dp'] for a ('dp', 'tp') "
+                f"mesh. {works}")
+
+
+def refuse_grad_outside_autograd(shards: LocalShards) -> None:
+    """At ``step()``: a DTensor gradient that no post-accumulate hook took (it arrived without running the
+    hooks): refused, as it would be lost."""
+    for i, (p, s) in enumerate(zip(shards.params, shards.sharded)):
+        if s and p.grad is not None:
+            raise NotImplementedError(
+                f"AccoOptimizer.step(): parameter {i}'s DTensor gradient arrived without running its "
+                "post-accumulate hooks (FSDP2 of a torch older than 2.13 assigns .grad after its reduce-scatter "
+                "without them), so it would be lost: use torch >= 2.13, or tensor parallelism inside the host "
+                "(docs/models-larger-than-one-device.md)")
