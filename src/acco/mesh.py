@@ -30,12 +30,14 @@ from typing import Any, List, Optional, Sequence
 import torch
 import torch.distributed as dist
 
+from .errors import ModelMovedError
+
 __all__ = ["LocalShards", "check_supported", "is_dtensor", "refuse_grad_outside_autograd"]
 
 
 def is_dtensor(p: Any) -> bool:
     """Whether ``p`` is a ``torch.distributed.tensor.DTensor`` (without importing it for plain models)."""
-    return type(p).__name__ == "DTensor" or any(c.__name__ == "DTensor" for c in type(p).__mro__)
+    return any(c.__name__ == "DTensor" for c in type(p).__mro__)
 
 
 class LocalShards:
@@ -57,6 +59,11 @@ class LocalShards:
         if not self.sharded[index] or p.grad is None:
             return
         local = self.locals[index]
+        if p._local_tensor is not local:
+            raise ModelMovedError(
+                f"AccoOptimizer: parameter {index}'s local shard was replaced after the optimizer was built (FSDP2 "
+                "replaces it when the model's state is loaded into it or its storage is reset), so the optimizer's "
+                "updates would no longer reach the model. Build AccoOptimizer after loading the model's weights.")
         grad = p.grad.to_local()
         if local.grad is None:
             local.grad = grad.clone()
