@@ -405,13 +405,7 @@ def _exit_script(device: str, how: str) -> None:
                                              rank=0, world_size=1)
         model = make_model(64, 2, device)
         opt = AccoOptimizer(model.parameters(), mode="acco", microbatches_per_update=2, lr=1e-4)
-        data = batches(64, 8, device, 4)
-        for t in range(6):
-            for j in range(2):
-                x, y = data[(2 * t + j) % len(data)]
-                (((model(x) - y) ** 2).mean() / 2).backward()
-            opt.step()
-            opt.zero_grad()
+        train(model, opt, batches(64, 8, device, 4), updates=6, m=2)
         if how == "exit":
             sys.exit(3)
         if how == "interrupt":

@@ -33,7 +33,7 @@ def _free_port() -> int:
 
 
 def _launch(*args: str, torchrun: bool = True, sig: Optional[int] = None, to_launcher: bool = False,
-            env: Optional[Dict[str, str]] = None) -> Tuple[int, Dict[int, int], str]:
+            env: Optional[Dict[str, str]] = None, limit: float = LIMIT) -> Tuple[int, Dict[int, int], str]:
     """Run ``ending.py ARGS`` on 2 ranks; return (the launcher's exit code, each rank's exit code, the output).
 
     ``torchrun``: under torchrun in a session of its own; each rank's code is read from torchrun's report of the
@@ -41,7 +41,7 @@ def _launch(*args: str, torchrun: bool = True, sig: Optional[int] = None, to_lau
     environment torchrun gives it, so that the test holds every rank's own exit code (torchrun reports none
     when it is itself signalled). ``sig``: once every rank printed READY, send this signal to every process of
     the job (as a terminal's Ctrl-C does) or, with ``to_launcher``, to torchrun alone (which forwards it to its
-    ranks, as when a peer failed or the job is preempted). A launch longer than ``LIMIT`` fails the test.
+    ranks, as when a peer failed or the job is preempted). A launch longer than ``limit`` s fails the test.
     """
     base = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     script = [os.path.join(HERE, "ending.py"), *args]
@@ -58,7 +58,7 @@ def _launch(*args: str, torchrun: bool = True, sig: Optional[int] = None, to_lau
             procs.append(subprocess.Popen([sys.executable, *script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                           text=True, env=rank_env))
     lines: List[str] = []
-    deadline = time.monotonic() + LIMIT
+    deadline = time.monotonic() + limit
     try:
         _read_all(procs, lines, sig, to_launcher, torchrun, deadline)
         for proc in procs:
@@ -70,7 +70,7 @@ def _launch(*args: str, torchrun: bool = True, sig: Optional[int] = None, to_lau
             else:
                 proc.kill()
             proc.wait()
-        raise AssertionError(f"{args} did not end within {LIMIT} s:\n{''.join(lines)[-4000:]}") from None
+        raise AssertionError(f"{args} did not end within {limit} s:\n{''.join(lines)[-4000:]}") from None
     out = "".join(lines)
     if torchrun:
         rc = procs[0].returncode
@@ -149,9 +149,8 @@ def test_a_signal_in_the_middle_of_a_round(sig, torchrun):
     preempted; or from a scheduler to each rank) while a round is in flight: every rank ends by that signal,
     promptly, without a C++ abort. Ranks started directly: each one's exit code is the signal's. Under torchrun
     (which reports no rank's code when it is signalled itself): torchrun fails, and no rank aborted."""
-    start = time.monotonic()
     rc, codes, out = _launch("signal", "9", LOOP, "400", torchrun=torchrun, sig=sig,
-                             to_launcher=sig == signal.SIGTERM)
+                             to_launcher=sig == signal.SIGTERM, limit=120)  # promptly: a hang fails the test
     _clean(out)
     assert "READY" in out and "trained 400 updates" not in out, out[-3000:]
     if torchrun:
@@ -161,7 +160,6 @@ def test_a_signal_in_the_middle_of_a_round(sig, torchrun):
     if sig == signal.SIGINT:
         assert out.count("KeyboardInterrupt") >= 2, out[-3000:]  # the user's own interrupt, not a RoundFailedError
         assert "RoundFailedError" not in out, out[-3000:]
-    assert time.monotonic() - start < 120
 
 
 def test_a_signal_while_a_checkpoint_is_written(tmp_path):

@@ -5,35 +5,14 @@ arXiv 2406.02613) as a drop-in ``torch.optim`` optimizer.
 """
 
 from . import checkpoint  # acco.checkpoint after a plain `import acco`
+from . import errors
 from .ddp import disable_gradient_allreduce
+from .errors import *  # noqa: F401,F403  every public exception: the names errors.__all__ lists
 from .launch import init_process_group
 from .optimizer import AccoOptimizer
-from .errors import (
-    CheckpointError,
-    HyperParameterMismatchError,
-    ModelMovedError,
-    NonFiniteGradientError,
-    RanksDisagreeError,
-    RoundFailedError,
-    RoundMismatchError,
-    ShardOfAnotherRankError,
-)
 from .scheduler import StreamScheduler
 
-__all__ = [
-    "AccoOptimizer",
-    "CheckpointError",
-    "HyperParameterMismatchError",
-    "ModelMovedError",
-    "NonFiniteGradientError",
-    "RanksDisagreeError",
-    "RoundFailedError",
-    "RoundMismatchError",
-    "ShardOfAnotherRankError",
-    "StreamScheduler",
-    "disable_gradient_allreduce",
-    "init_process_group",
-]
+__all__ = ["AccoOptimizer", "StreamScheduler", "disable_gradient_allreduce", "init_process_group", *errors.__all__]
 __version__ = "0.1.0"
 
 

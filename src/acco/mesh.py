@@ -110,7 +110,7 @@ def check_supported(shards: LocalShards, group: Optional[dist.ProcessGroup], *, 
         raise NotImplementedError(
             f"AccoOptimizer: compute_dtype/accumulation_dtype other than the parameters' dtype with DTensor "
             f"parameters is not supported yet. {works}")
-    if group is not None and shards.mesh is not None:
+    if group is not None:
         mine = set(dist.get_process_group_ranks(group))
         model = set(shards.mesh.mesh.flatten().tolist())
         if len(mine & model) > 1:
