@@ -3,7 +3,7 @@
     .venv/bin/python benchmarks/gpu_check.py               # on the GPU machine: rewrites docs/gpu.md's results
     .venv/bin/python benchmarks/gpu_check.py --dry-run --out /tmp/gpu.md   # on CPU (CI runs this)
 
-Seven checks, each a section of the report, on a process group of one NCCL
+Ten checks, each a section of the report, on a process group of one NCCL
 rank; the script exits 1, naming what failed, if a GPU run finds a failing
 CUDA test, a section that raised, a host synchronisation in the steady state,
 collective kernels not under compute, or ranks that raise a device-found
@@ -30,6 +30,13 @@ error at different steps:
    old (``scheduler.host_waits``: only a host running ahead of the device).
 7. Two ranks (NCCL; needs two GPUs) with an inf loss on one rank under
    ``nonfinite="raise"``: both must raise in the same update.
+8. A script that ends without ``finish()`` (return, ``sys.exit``, Ctrl-C)
+   with a round in flight exits as the same script with torch's AdamW does,
+   without a C++ abort.
+9. The per-update time of ACCO against plain AdamW on examples/gpt's decoder
+   (12 layers of 768) at 65,536 tokens per update, bf16 autocast.
+10. DTensor parameters (tensor parallelism, FSDP2) on a (1, 1) mesh against
+    plain ones: equal weights after 6 updates (FSDP2 of torch < 2.13 refused).
 
 ``--dry-run`` runs every section on the CPU with a tiny model so the script
 itself is exercised: the CUDA tests skip, the profiler sees no kernels (the
@@ -57,6 +64,7 @@ from typing import Any, Dict, List, Sequence, Tuple
 
 import torch
 from torch import nn
+from torch.torch_version import TorchVersion
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "src"))
@@ -393,18 +401,20 @@ def check_error_step(device: str) -> Dict[str, Any]:
     return {"ranks": 2, "raised_at": raised, "same_step": raised[0] is not None and raised[0] == raised[1]}
 
 
-EXIT_CASES = (("return", 0), ("exit", 3), ("interrupt", -signal.SIGINT))  # how main() ends, the code it means
+EXIT_CASES = ("return", "exit", "interrupt")  # how main() ends
 
 
-def _exit_script(device: str, how: str) -> None:
-    """Child process of :func:`check_exits`: mode acco in a ``main()`` that ends ``how`` with a round in flight,
-    never calling ``finish()`` or ``destroy_process_group()`` (one rank: NCCL on a GPU, gloo on a dry run)."""
+def _exit_script(device: str, how: str, reference: bool) -> None:
+    """Child process of :func:`check_exits`: mode acco (``reference``: torch's AdamW instead) in a ``main()`` that
+    ends ``how`` with a round in flight, never calling ``finish()`` or ``destroy_process_group()`` (one rank:
+    NCCL on a GPU, gloo on a dry run)."""
     def main() -> None:
         cuda = device.startswith("cuda")
         torch.distributed.init_process_group("nccl" if cuda else "gloo", init_method=os.environ["ACCO_EXIT_INIT"],
                                              rank=0, world_size=1)
         model = make_model(64, 2, device)
-        opt = AccoOptimizer(model.parameters(), mode="acco", microbatches_per_update=2, lr=1e-4)
+        opt = (torch.optim.AdamW(model.parameters(), lr=1e-4) if reference else
+               AccoOptimizer(model.parameters(), mode="acco", microbatches_per_update=2, lr=1e-4))
         train(model, opt, batches(64, 8, device, 4), updates=6, m=2)
         if how == "exit":
             sys.exit(3)
@@ -417,20 +427,139 @@ def _exit_script(device: str, how: str) -> None:
 
 def check_exits(device: str) -> Dict[str, Any]:
     """A script that returns from main() without finish(), calls sys.exit(3) or gets Ctrl-C, each with a round
-    in flight (on a GPU: the NCCL round group and the side stream's last round): it must exit with the code it
-    means, without "terminate called" (a C++ abort) or a hang."""
-    out: Dict[str, Any] = {}
-    for how, want in EXIT_CASES:
+    in flight (on a GPU: the NCCL round group and the side stream's last round): it must exit with the code of
+    the same script with torch's AdamW, in the same environment, without "terminate called" (a C++ abort) or
+    a hang. The reference, not a fixed code: the GPU machines' torch 2.11 exits 1, not by SIGINT, on Ctrl-C
+    once torch._dynamo is imported (torch.optim's first step imports it), with or without acco."""
+    def launch(how: str, reference: bool) -> Tuple[Any, str]:
         with tempfile.TemporaryDirectory() as tmp:
             env = {**os.environ, "ACCO_EXIT_INIT": f"file://{tmp}/store", "OMP_NUM_THREADS": "1"}
+            cmd = [sys.executable, str(Path(__file__).resolve()), "--exit-script", how, "--device", device]
             try:
-                r = subprocess.run([sys.executable, str(Path(__file__).resolve()), "--exit-script", how,
-                                    "--device", device], capture_output=True, text=True, timeout=180, env=env)
-                code, text = r.returncode, r.stdout + r.stderr
+                r = subprocess.run(cmd + (["--reference"] if reference else []), capture_output=True, text=True,
+                                   timeout=180, env=env)
+                return r.returncode, r.stdout + r.stderr
             except subprocess.TimeoutExpired as e:
-                code, text = None, f"hung: {e}"
+                return None, f"hung: {e}"
+
+    out: Dict[str, Any] = {}
+    for how in EXIT_CASES:
+        want, ref_text = launch(how, reference=True)
+        code, text = launch(how, reference=False)
         out[how] = {"code": code, "want": want, "aborted": "terminate called" in text,
-                    "tail": text.strip().splitlines()[-3:] if code != want else []}
+                    "tail": text.strip().splitlines()[-3:] if code != want else [],
+                    "reference_aborted": "terminate called" in ref_text}
+    return out
+
+
+# ---------------------------------------------------------------- 9. a GPT at a realistic batch
+
+
+def gpt_setup(dry: bool) -> Tuple[Any, int, int]:
+    """examples/gpt's decoder and its micro-batch: 12 layers of 768 at 1024 tokens, 16 sequences per micro-batch
+    and 4 micro-batches per update (65,536 tokens per update); a toy on a dry run."""
+    sys.path.insert(0, str(ROOT / "examples" / "gpt"))
+    from model import GPTConfig  # noqa: E402  examples/gpt/model.py
+
+    if dry:
+        return GPTConfig(vocab_size=64, seq_len=16, d_model=32, n_layers=2, n_heads=2, local_window=8), 2, 2
+    return GPTConfig(vocab_size=8192, seq_len=1024, d_model=768, n_layers=12, n_heads=12, local_window=256), 16, 4
+
+
+def check_gpt_overhead(device: str, dry: bool, repeats: int) -> Dict[str, Any]:
+    """Per-update time of ACCO (mode acco, the defaults) against ``torch.optim.AdamW`` on examples/gpt's decoder
+    under bf16 autocast, at 65,536 tokens per update: interleaved repeats, median and spread of the ratio."""
+    cfg, mb, m = gpt_setup(dry)
+    from model import GPT  # noqa: E402  (gpt_setup put examples/gpt on the path)
+
+    g = torch.Generator().manual_seed(2)
+    data = [torch.randint(cfg.vocab_size, (mb, cfg.seq_len + 1), generator=g).to(device) for _ in range(4)]
+    cuda = device.startswith("cuda")
+    updates, warm = (2, 1) if dry else (6, 2)
+
+    def run(model: nn.Module, opt: Any, n: int) -> None:
+        for t in range(n):
+            for j in range(m):
+                seq = data[(t * m + j) % len(data)]
+                with torch.autocast(device.split(":")[0], dtype=torch.bfloat16, enabled=cuda):
+                    logits = model(seq[:, :-1])
+                loss = nn.functional.cross_entropy(logits.float().flatten(0, 1), seq[:, 1:].flatten())
+                (loss / m).backward()
+            opt.step()
+            opt.zero_grad()
+
+    times: Dict[str, List[float]] = {"adamw": [], "acco": []}
+    for _ in range(repeats):
+        for method in ("adamw", "acco"):  # interleaved: A B A B ...
+            torch.manual_seed(0)
+            model = GPT(cfg).to(device)
+            opt: Any = (torch.optim.AdamW(model.parameters(), lr=3e-4) if method == "adamw" else
+                        AccoOptimizer(model.parameters(), mode="acco", microbatches_per_update=m, lr=3e-4))
+            run(model, opt, warm)
+            synchronize(device)
+            t0 = time.perf_counter()
+            run(model, opt, updates)
+            synchronize(device)
+            times[method].append((time.perf_counter() - t0) / updates)
+            if method == "acco":
+                opt.finish()
+            del model, opt
+            gc.collect()
+    ratios = [a / b for a, b in zip(times["acco"], times["adamw"])]
+    return {"config": f"{cfg.n_layers} layers of {cfg.d_model}, vocab {cfg.vocab_size}",
+            "params": sum(p.numel() for p in GPT(cfg).parameters()), "tokens_per_update": mb * cfg.seq_len * m,
+            "microbatches": m, "s_per_update_median": {k: statistics.median(v) for k, v in times.items()},
+            "acco_over_adamw_median": statistics.median(ratios),
+            "acco_over_adamw_range": (min(ratios), max(ratios)), "repeats": repeats}
+
+
+# ---------------------------------------------------------------- 10. DTensor parameters on the device
+
+
+def check_dtensor(device: str) -> Dict[str, Any]:
+    """docs/models-larger-than-one-device.md's path on this device: tensor parallelism and FSDP2 on a (1, 1)
+    ('dp', 'tp') mesh, AccoOptimizer (mode acco) over mesh['dp'], against the same model with plain parameters
+    and the same optimizer: the weights after 6 updates must agree within 1e-5 (on one rank the shards are the
+    whole tensors, so only the DTensor path itself can differ). FSDP2 of a torch older than 2.13 is refused
+    at step() by design (mesh.refuse_grad_outside_autograd); that refusal is reported, not failed."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    if not torch.distributed.is_initialized():  # a dry run: a gloo group of one
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        torch.distributed.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    mesh = init_device_mesh(device.split(":")[0], (1, 1), mesh_dim_names=("dp", "tp"))
+    width, m = 256, 4
+    data = batches(width, 8, device, 8)
+
+    def trained(kind: str) -> List[torch.Tensor]:
+        model = make_model(width, 2, device)  # Linear, GELU, Linear, GELU
+        kw: Dict[str, Any] = {}
+        if kind == "tp":
+            parallelize_module(model, mesh["tp"], {"0": ColwiseParallel(), "2": RowwiseParallel()})
+            kw["process_group"] = mesh["dp"]
+        elif kind == "fsdp2":
+            from torch.distributed.fsdp import fully_shard
+
+            fully_shard(model, mesh=mesh["tp"])
+            kw["process_group"] = mesh["dp"]
+        opt = AccoOptimizer(model.parameters(), mode="acco", microbatches_per_update=m, lr=1e-3, **kw)
+        train(model, opt, data, 6, m)
+        opt.finish()
+        return [(p.full_tensor() if hasattr(p, "full_tensor") else p).detach().float().cpu()
+                for p in model.parameters()]
+
+    plain = trained("plain")
+    out: Dict[str, Any] = {"torch": torch.__version__}
+    for kind in ("tp", "fsdp2"):
+        try:
+            got = trained(kind)
+        except NotImplementedError as e:
+            out[kind] = {"refused": f"{type(e).__name__}: {e}"[:240]}
+            continue
+        out[kind] = {"max_abs_diff": max((a - b).abs().max().item() for a, b in zip(got, plain))}
     return out
 
 
@@ -457,9 +586,15 @@ def verdict(results: Dict[str, Any], dry: bool) -> List[str]:
     if "error" not in t and t["exit"] not in (0,) and not (dry and t["exit"] == 5):
         failures.append(f"tests/test_cuda.py exited {t['exit']}: {t['summary']}")
     for how, r in results["exits"].items() if "error" not in results["exits"] else ():
-        if r["code"] != r["want"] or r["aborted"]:
-            failures.append(f"a script ending by {how} exited {r['code']} (meant {r['want']}), "
+        if r["code"] != r["want"] or r["aborted"] or r["want"] is None:
+            failures.append(f"a script ending by {how} exited {r['code']} (torch's AdamW: {r['want']}), "
                             f"{'with' if r['aborted'] else 'without'} a C++ abort: {r['tail']}")
+    d = results.get("dtensor", {})
+    for kind, r in d.items() if "error" not in d else ():  # "torch": the version the section ran on
+        if isinstance(r, dict) and r.get("max_abs_diff", 0) > 1e-5:
+            failures.append(f"DTensor parameters ({kind}) differ from plain ones by {r['max_abs_diff']:.3g} > 1e-5")
+        if isinstance(r, dict) and "refused" in r and (kind == "tp" or TorchVersion(d["torch"]) >= (2, 13)):
+            failures.append(f"DTensor parameters ({kind}) refused: {r['refused']}")
     e = results["errors"]
     if "error" not in e and e["same_step"] is False:
         failures.append(f"a device-found error surfaced at different steps on the ranks: {e['raised_at']}")
@@ -552,9 +687,24 @@ def _errors_lines(e: Dict[str, Any], dry: bool) -> List[str]:
 
 
 def _exits_lines(x: Dict[str, Any], dry: bool) -> List[str]:
-    return ["A `main()` with a round in flight, no `finish()`: " + "; ".join(
-        f"{how}: exit {r['code']} (meant {r['want']}){', C++ ABORT' if r['aborted'] else ''}" for how, r in x.items())
+    return ["A `main()` with a round in flight, no `finish()`, against the same script with torch's AdamW: " + "; ".join(
+        f"{how}: exit {r['code']} (AdamW: {r['want']}){', C++ ABORT' if r['aborted'] else ''}" for how, r in x.items())
         + (" (CPU path, gloo: a dry run)." if dry else " (NCCL, one rank).")]
+
+
+def _gpt_lines(o: Dict[str, Any], dry: bool) -> List[str]:
+    return [f"{o['config']} ({o['params'] / 1e6:.1f}M parameters), {o['tokens_per_update']:,} tokens per update "
+            f"in {o['microbatches']} micro-batches, bf16 autocast{' (off on CPU)' if dry else ''}: median s/update "
+            f"AdamW {o['s_per_update_median']['adamw']:.4g}, ACCO {o['s_per_update_median']['acco']:.4g}; "
+            f"ACCO/AdamW median {o['acco_over_adamw_median']:.3f}, range {o['acco_over_adamw_range'][0]:.3f}–"
+            f"{o['acco_over_adamw_range'][1]:.3f} over {o['repeats']} interleaved repeats."]
+
+
+def _dtensor_lines(d: Dict[str, Any], dry: bool) -> List[str]:
+    def one(r: Dict[str, Any]) -> str:
+        return f"refused ({r['refused']})" if "refused" in r else f"max |difference| {r['max_abs_diff']:.3g}"
+    return [f"Weights after 6 updates (mode acco, a (1, 1) mesh, process_group=mesh['dp']) against plain "
+            f"parameters, torch {d['torch']}: tensor parallelism {one(d['tp'])}; FSDP2 {one(d['fsdp2'])}."]
 
 
 _SECTIONS = [  # (results key, heading, lines of a section that did not raise)
@@ -566,6 +716,9 @@ _SECTIONS = [  # (results key, heading, lines of a section that did not raise)
     ("syncs", "### 6. Host synchronisations after the first applied step", _syncs_lines),
     ("errors", "### 7. A device-found error on two ranks", _errors_lines),
     ("exits", "### 8. How a process ends without finish()", _exits_lines),
+    ("gpt", lambda o: f"### 9. Per-update time at {o.get('tokens_per_update', 65536):,} tokens per update, ACCO vs "
+                      "plain AdamW (one device)", _gpt_lines),
+    ("dtensor", "### 10. DTensor parameters (tensor parallelism, FSDP2) on the device", _dtensor_lines),
 ]
 
 
@@ -609,11 +762,12 @@ def main(argv: Sequence[str] = None) -> Dict[str, Any]:
     p.add_argument("--dry-run", action="store_true", help="run every section on the CPU with a tiny model")
     p.add_argument("--out", type=Path, default=None, help="report file (default: docs/gpu.md; none on a dry run)")
     p.add_argument("--repeats", type=int, default=None)
-    p.add_argument("--exit-script", choices=[h for h, _ in EXIT_CASES], help=argparse.SUPPRESS)  # check_exits' child
+    p.add_argument("--exit-script", choices=EXIT_CASES, help=argparse.SUPPRESS)  # check_exits' child
+    p.add_argument("--reference", action="store_true", help=argparse.SUPPRESS)  # the child uses torch's AdamW
     p.add_argument("--device", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.exit_script:
-        _exit_script(args.device, args.exit_script)
+        _exit_script(args.device, args.exit_script, args.reference)
         return {}
     dry = args.dry_run
     if not dry and not torch.cuda.is_available():
@@ -638,6 +792,8 @@ def main(argv: Sequence[str] = None) -> Dict[str, Any]:
     results["syncs"] = section(check_syncs, width, layers, batch, device)
     results["errors"] = section(check_error_step, device)
     results["exits"] = section(check_exits, device)
+    results["gpt"] = section(check_gpt_overhead, device, dry, args.repeats or (1 if dry else 3))
+    results["dtensor"] = section(check_dtensor, device)
     results["failures"] = verdict(results, dry)
     block = render(results, dry, device, argv)
     out = args.out if args.out is not None else (None if dry else ROOT / "docs" / "gpu.md")

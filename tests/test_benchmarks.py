@@ -237,7 +237,8 @@ def test_gpu_check_dry_run(tmp_path):
     assert text.startswith("# kept") and text.rstrip().endswith("## after") and "\nold\n" not in text
     assert "Dry run on CPU" in text
     for section in ("### 1. CUDA tests", "### 2. Profiler trace", "### 3. Per-update time", "### 4. torch.compile",
-                    "### 5. Memory", "### 6. Host synchronisations", "### 7. A device-found error", "### Verdict"):
+                    "### 5. Memory", "### 6. Host synchronisations", "### 7. A device-found error",
+                    "### 8. How a process ends", "### 9. Per-update time at", "### 10. DTensor parameters", "### Verdict"):
         assert section in text, section
     assert "raised in updates [4, 4]" in text and "\nPASS\n" in text  # the inf loss is in update 3's last micro-batch
     assert "exit 0" in text and "skipped" in text
@@ -307,6 +308,10 @@ def test_gpu_check_verdict_fails_on_what_a_gpu_must_not_show():
                      "comm_overlap": 0.1, "streams_from": "markers"}}
     failures = gpu_check.verdict(bad, dry=False)
     assert len(failures) == 6, failures
+    dtensor = {"torch": "2.11", "tp": {"max_abs_diff": 3e-4}, "fsdp2": {"refused": "NotImplementedError: x"}}
+    assert len(gpu_check.verdict(dict(good, dtensor=dtensor), dry=True)) == 1  # FSDP2 refused by design below 2.13
+    dtensor = {"torch": "2.13", "tp": {"refused": "NotImplementedError: x"}, "fsdp2": {"max_abs_diff": 0.0}}
+    assert len(gpu_check.verdict(dict(good, dtensor=dtensor), dry=True)) == 1  # TP is never refused
     assert len(gpu_check.verdict(bad, dry=True)) == 3  # a dry run: the CUDA tests' exit, the exits, the error step
     for trace, text in (({"streams_from": "busiest stream"}, "marker kernels were not found"),
                         ({"window_found": False}, "host-blocking calls were not counted"),
@@ -317,9 +322,10 @@ def test_gpu_check_verdict_fails_on_what_a_gpu_must_not_show():
     assert gpu_check.verdict(raised, dry=True) == ["section memory raised RuntimeError: x"]
     err = raised["memory"]
     block = gpu_check.render({"device_name": "d", "tests": {"command": "c", "exit": 0, "summary": "s"},
-                              **{k: err for k in ("trace", "overhead", "compile", "memory", "syncs", "errors", "exits")},
+                              **{k: err for k in ("trace", "overhead", "compile", "memory", "syncs", "errors", "exits",
+                                                  "gpt", "dtensor")},
                               "failures": ["f"]}, dry=True, device="cpu", argv=[])
-    assert block.count("**Raised** `RuntimeError: x`") == 7 and "FAIL: f" in block
+    assert block.count("**Raised** `RuntimeError: x`") == 9 and "FAIL: f" in block
 
 
 @pytest.mark.parametrize("script", ["gpu_time.py", "gpu_memory.py"])
