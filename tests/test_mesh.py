@@ -21,8 +21,12 @@ from acco import AccoOptimizer
 TOL = 1e-5
 M, UPDATES = 4, 5
 KW = dict(lr=2e-2, betas=(0.9, 0.95), weight_decay=0.1)
-# mode, estimate_dtype ("auto": the default, a bf16 estimate between more than one host)
-SETTINGS = {"sync": ("sync", None), "dpu": ("dpu", None), "acco-exact": ("acco", None), "acco-default": ("acco", "auto")}
+# mode, estimate_dtype ("auto": the default, a bf16 estimate between more than one host), max_grad_norm (small
+# enough to clip every update: the norm must span the model's shards, a Replicate parameter counted once)
+CLIP = 0.05
+SETTINGS = {"sync": ("sync", None, None), "dpu": ("dpu", None, None), "acco-exact": ("acco", None, None),
+            "acco-default": ("acco", "auto", None), "acco-clipped": ("acco", None, CLIP),
+            "sync-clipped": ("sync", None, CLIP)}
 
 
 class MLP(nn.Module):
@@ -95,10 +99,10 @@ def _mesh_worker(rank: int, world: int, dp: int, tp: int, inside: str = "tp") ->
     host = mesh.get_local_rank("dp") if inside == "tp" else rank
     grad_fn = _grad_fn if inside == "tp" else functools.partial(_host_grad_fn, tp)
     out = {}
-    for name, (mode, estimate_dtype) in SETTINGS.items():
+    for name, (mode, estimate_dtype, clip) in SETTINGS.items():
         model, theta0 = _tp_model(mesh["tp"]) if inside == "tp" else _fsdp_model(mesh["tp"])
         opt = AccoOptimizer(model.parameters(), torch.optim.AdamW, mode=mode, microbatches_per_update=M,
-                            process_group=mesh["dp"], estimate_dtype=estimate_dtype, **KW)
+                            process_group=mesh["dp"], estimate_dtype=estimate_dtype, max_grad_norm=clip, **KW)
         traj = []
         for t in range(UPDATES):
             for j in range(M):
@@ -109,11 +113,17 @@ def _mesh_worker(rank: int, world: int, dp: int, tp: int, inside: str = "tp") ->
         opt.finish()
         final = [p.full_tensor().clone() for p in model.parameters()]
         ref_steps, _, ref_final = update_run(theta0, lambda ps: torch.optim.AdamW(ps, **KW), mode, grad_fn, dp,
-                                             UPDATES, M, estimate_dtype=opt.estimate_dtype)
+                                             UPDATES, M, estimate_dtype=opt.estimate_dtype, max_grad_norm=clip)
         err = max(_rel(a, b) for step, ref in zip(traj, ref_steps) for a, b in zip(step, ref))
         out[name] = {"step_err": err, "final_err": max(_rel(a, b) for a, b in zip(final, ref_final)),
                      "moved": max(float((a - b).abs().max()) for a, b in zip(final, theta0)),
-                     "estimate_dtype": str(opt.estimate_dtype), "steps": len(traj)}
+                     "estimate_dtype": str(opt.estimate_dtype), "steps": len(traj), "final": final}
+    for name, (mode, _, clip) in SETTINGS.items():  # clipping changed the trajectory (it clipped)
+        if clip is not None:
+            unclipped = out["acco-exact" if mode == "acco" else mode]["final"]
+            out[name]["clip_changed"] = max(float((a - b).abs().max()) for a, b in zip(out[name]["final"], unclipped))
+    for r in out.values():
+        del r["final"]
     return out
 
 
@@ -134,6 +144,7 @@ def test_fsdp2_inside_acco_across_hosts_equals_the_oracle(setting):
         r = res[setting]
         assert r["steps"] == UPDATES and r["moved"] > 1e-3, (rank, r)
         assert r["step_err"] < TOL and r["final_err"] < TOL, (rank, r)
+        assert r.get("clip_changed", 1.0) > 1e-3, (rank, r)
 
 
 @pytest.mark.parametrize("shape", [(2, 2), (2, 1), (1, 2)], ids=["2x2", "2x1", "1x2"])
@@ -145,8 +156,52 @@ def test_tensor_parallel_inside_acco_across_hosts_equals_the_oracle(shape, setti
         r = res[setting]
         assert r["steps"] == UPDATES and r["moved"] > 1e-3, (rank, r)
         assert r["step_err"] < TOL and r["final_err"] < TOL, (rank, r)
+        assert r.get("clip_changed", 1.0) > 1e-3, (rank, r)
         if setting == "acco-default":
             assert r["estimate_dtype"] == ("torch.bfloat16" if shape[0] > 1 else "None"), r
+
+
+def _skip_worker(rank: int, world: int, mode: str) -> dict:
+    """An inf in one tensor-parallel rank's local gradient (rank 1: host 0's second shard) in update 1 only."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    model, _ = _tp_model(mesh["tp"])
+    opt = AccoOptimizer(model.parameters(), torch.optim.AdamW, mode=mode, microbatches_per_update=M,
+                        process_group=mesh["dp"], nonfinite="skip", **KW)
+    poisoned = {"on": False}
+
+    def poison(g):
+        if not (poisoned["on"] and rank == 1):
+            return g
+        local = g.to_local().clone()
+        local.view(-1)[0] = float("inf")
+        return DTensor.from_local(local, g.device_mesh, g.placements, run_check=False)
+
+    model.fc1.weight.register_hook(poison)
+    host, weights = mesh.get_local_rank("dp"), []
+    for t in range(4):
+        poisoned["on"] = t == 1
+        for j in range(M):
+            _loss(model, host, t * M + j).backward()
+        opt.step()
+        opt.zero_grad()
+        with opt.committed_weights():
+            weights.append([p.full_tensor().detach().clone() for p in model.parameters()])
+    skipped = opt.num_skipped_updates
+    opt.finish()
+    def diff(a, b):
+        return max(float((x - y).abs().max()) for x, y in zip(a, b))
+    return {"skipped": skipped, "held": diff(weights[1], weights[0]), "moved_after": diff(weights[3], weights[1])}
+
+
+@pytest.mark.parametrize("mode", ["sync", "acco"])
+def test_a_non_finite_gradient_in_one_shard_skips_the_update_on_every_shard(mode):
+    """An inf in one tensor-parallel rank's gradient skips that update on every rank (the norm spans the
+    model's shards): every shard is left untouched, and training goes on."""
+    for rank, r in enumerate(run_ranks(_skip_worker, 4, mode)):
+        assert r["skipped"] == 1 and r["held"] == 0.0 and r["moved_after"] > 1e-4, (rank, r)
 
 
 def _refusal_worker(rank: int, world: int, case: str) -> str:
@@ -160,8 +215,6 @@ def _refusal_worker(rank: int, world: int, case: str) -> str:
             AccoOptimizer(model.parameters(), lr=1e-2)  # the default group: every rank, tp included
         elif case == "2d-mesh":
             AccoOptimizer(model.parameters(), process_group=mesh, lr=1e-2)
-        elif case == "clipping":
-            AccoOptimizer(model.parameters(), max_grad_norm=1.0, **kw)
         elif case == "muon":
             AccoOptimizer(model.parameters(), torch.optim.Adafactor, **kw)
         elif case == "mixed":
@@ -178,11 +231,8 @@ def _refusal_worker(rank: int, world: int, case: str) -> str:
             opt = AccoOptimizer(model.parameters(), microbatches_per_update=2, **kw)
             model.fc1.weight._local_tensor = model.fc1.weight._local_tensor.clone()
             _loss(model, mesh.get_local_rank("dp"), 0).backward()
-        elif case == "checkpoint":
-            import acco.checkpoint
-
-            opt = AccoOptimizer(model.parameters(), **kw)
-            acco.checkpoint.save("/nonexistent/never", opt, model=model)
+        elif case == "checkpoint":  # DCP by hand: the same piece keys on ranks of different model shards
+            AccoOptimizer(model.parameters(), **kw).sharded_state_dict()
     except Exception as exc:  # noqa: BLE001 the message is what the test reads
         return f"{type(exc).__name__}: {exc}"
     return "no error"
@@ -191,10 +241,9 @@ def _refusal_worker(rank: int, world: int, case: str) -> str:
 @pytest.mark.parametrize("case,words", [
     ("spans-tp", "spans the DTensor parameters' mesh"),
     ("2d-mesh", "2-D DeviceMesh"),
-    ("clipping", "max_grad_norm with DTensor parameters is not supported yet"),
     ("muon", "whole tensors"),
     ("mixed", "plain tensors and the others DTensors"),
-    ("checkpoint", "with DTensor parameters is not supported yet"),
+    ("checkpoint", "sharded_state_dict() with DTensor parameters is not supported: ranks of different model"),
     ("hsdp", "reduce twice what FSDP2 on a 2-D (HSDP) mesh"),
     ("replaced", "local shard was replaced after the optimizer was built"),
 ])
@@ -203,3 +252,144 @@ def test_what_dtensor_parameters_do_not_support_yet_is_refused_on_every_rank(cas
     for msg in run_ranks(_refusal_worker, 4, case):
         assert words in msg, msg
         assert "mesh['dp']" in msg or "models-larger-than-one-device.md" in msg or case == "replaced", msg
+
+
+# ---------------------------------------------------------------- checkpoints (acco.checkpoint, DCP)
+
+CK_UPDATES, CK_AT = 5, 2
+
+
+def _build(mesh, inside: str, mode: str = "acco"):
+    model, _ = _tp_model(mesh["tp"]) if inside == "tp" else _fsdp_model(mesh["tp"])
+    opt = AccoOptimizer(model.parameters(), torch.optim.AdamW, mode=mode, microbatches_per_update=M,
+                        process_group=mesh["dp"], **KW)
+    return model, opt
+
+
+def _train(model, opt, host: int, updates: range) -> list:
+    """The weights (gathered) after each update of ``updates``."""
+    out = []
+    for t in updates:
+        for j in range(M):
+            _loss(model, host, t * M + j).backward()
+        opt.step()
+        opt.zero_grad()
+        out.append([p.full_tensor().clone() for p in model.parameters()])
+    return out
+
+
+def _checkpoint_worker(rank: int, world: int, inside: str, mode: str, folder: str) -> dict:
+    """A run of CK_UPDATES updates, against one saved after CK_AT updates and resumed on freshly built
+    model and optimizer (the model loaded too): every later update's weights must be identical."""
+    import acco.checkpoint
+    from torch.distributed.device_mesh import init_device_mesh
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    host = mesh.get_local_rank("dp") if inside == "tp" else rank
+    model, opt = _build(mesh, inside, mode)
+    straight = _train(model, opt, host, range(CK_UPDATES))
+    opt.finish()
+
+    model, opt = _build(mesh, inside, mode)
+    _train(model, opt, host, range(CK_AT))
+    path = f"{folder}/{inside}-{mode}"
+    acco.checkpoint.save(path, opt, model=model, extra={"data": torch.tensor([CK_AT])})
+    with opt.committed_weights():
+        saved = [p.full_tensor().clone() for p in model.parameters()]
+    if rank == 0:
+        torch.save(saved, f"{path}.weights.pt")
+    opt.finish()
+    del model, opt
+
+    model, opt = _build(mesh, inside, mode)
+    extra = acco.checkpoint.load(path, opt, model=model, extra={"data": torch.zeros(1, dtype=torch.int64)})
+    resumed = _train(model, opt, host, range(int(extra["data"]), CK_UPDATES))
+    opt.finish()
+    return {"identical": all(torch.equal(a, b) for x, y in zip(straight[CK_AT:], resumed) for a, b in zip(x, y)),
+            "updates": len(resumed), "moved": max(float((a - b).abs().max())
+                                                  for a, b in zip(straight[-1], straight[CK_AT - 1]))}
+
+
+@functools.lru_cache(maxsize=None)
+def _saved(folder: str, inside: str, mode: str):
+    return run_ranks(_checkpoint_worker, 4, inside, mode, folder)
+
+
+@pytest.fixture(scope="module")
+def ckpt_dir(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("mesh_ckpt"))
+
+
+@pytest.mark.parametrize("inside,mode", [("tp", "acco"), ("fsdp", "acco"), ("tp", "dpu"), ("fsdp", "sync")])
+def test_a_mesh_checkpoint_resumes_bit_identically(ckpt_dir, inside, mode):
+    """acco.checkpoint.save/load with DTensor parameters on (2, 2): each model shard's pieces under its own
+    name, written by every rank of the mesh; resumed on fresh objects, the next updates are identical."""
+    for rank, r in enumerate(_saved(ckpt_dir, inside, mode)):
+        assert r["identical"] and r["updates"] == CK_UPDATES - CK_AT and r["moved"] > 1e-4, (rank, r)
+
+
+def _reload_worker(rank: int, world: int, folder: str, case: str) -> str:
+    """Load a (2, 2) checkpoint elsewhere: on one host (a (1, 2) mesh: fewer hosts), without a mesh, with
+    FSDP2 instead of tensor parallelism, on a (2, 1) mesh, or a checkpoint without a mesh into a mesh run."""
+    import acco.checkpoint
+    from torch.distributed.device_mesh import init_device_mesh
+
+    try:
+        if case == "one-host":
+            mesh = init_device_mesh("cpu", (1, 2), mesh_dim_names=("dp", "tp"))
+            model, opt = _build(mesh, "tp")
+            acco.checkpoint.load(f"{folder}/tp-acco", opt, model=model)
+            with opt.committed_weights():
+                got = [p.full_tensor().detach().clone() for p in model.parameters()]
+            want = torch.load(f"{folder}/tp-acco.weights.pt")
+            diff = max(float((a - b).abs().max()) for a, b in zip(got, want))
+            return "equal" if diff == 0 else f"DIFFERENT by {diff}"
+        if case == "no-mesh":
+            torch.manual_seed(0)
+            model = MLP()
+            opt = AccoOptimizer(model.parameters(), microbatches_per_update=M, **KW)
+            acco.checkpoint.load(f"{folder}/tp-acco", opt, model=model)
+        elif case == "fsdp-for-tp":
+            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+            model, opt = _build(mesh, "fsdp")
+            acco.checkpoint.load(f"{folder}/tp-acco", opt, model=model)
+        elif case == "2x1":
+            mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("dp", "tp"))
+            model, opt = _build(mesh, "tp")
+            acco.checkpoint.load(f"{folder}/tp-acco", opt, model=model)
+        elif case == "other-shard-file":  # opt.state_dict() per rank, each rank given its tp neighbour's file
+            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+            model, opt = _build(mesh, "tp")
+            _train(model, opt, mesh.get_local_rank("dp"), range(1))
+            torch.save(opt.state_dict(), f"{folder}/rank{rank}.pt")
+            torch.distributed.barrier()
+            opt.load_state_dict(torch.load(f"{folder}/rank{rank ^ 1}.pt"))
+        elif case == "plain-into-mesh":
+            torch.manual_seed(0)
+            plain = MLP()
+            popt = AccoOptimizer(plain.parameters(), microbatches_per_update=M, **KW)
+            acco.checkpoint.save(f"{folder}/plain-{world}", popt, model=plain)
+            popt.finish()
+            mesh = init_device_mesh("cpu", (world // 2, 2), mesh_dim_names=("dp", "tp"))
+            model, opt = _build(mesh, "tp")
+            acco.checkpoint.load(f"{folder}/plain-{world}", opt, model=model)
+    except Exception as exc:  # noqa: BLE001 the message is what the test reads
+        return f"{type(exc).__name__}: {exc}"
+    return "no error"
+
+
+@pytest.mark.parametrize("case,world,words", [
+    ("one-host", 2, "equal"),
+    ("no-mesh", 2, "written with DTensor parameters in model shards ['shard0', 'shard1']; this run has no DTensor"),
+    ("fsdp-for-tp", 4, "Resume with the same intra-host parallelism"),
+    ("2x1", 2, "Resume with the same intra-host parallelism"),
+    ("plain-into-mesh", 4, "written by a run without DTensor parameters, loaded into one with them"),
+    ("other-shard-file", 4, "Resume with the same intra-host parallelism"),
+])
+def test_a_mesh_checkpoint_loads_on_fewer_hosts_and_is_refused_elsewhere(ckpt_dir, case, world, words):
+    """A (2, 2) tensor-parallel checkpoint loads on one host with the weights it saved; into a run without a
+    mesh, with FSDP2 instead, or on another intra-host shape it is refused on every rank, as is a checkpoint
+    without a mesh loaded into a mesh run, and a rank's opt.state_dict() file loaded on another model shard."""
+    _saved(ckpt_dir, "tp", "acco")
+    for msg in run_ranks(_reload_worker, world, ckpt_dir, case):
+        assert words in msg, msg

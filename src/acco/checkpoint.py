@@ -36,6 +36,7 @@ from .agreement import first_line
 from .checksums import CheckpointError, checksums, replicated_only, verify
 from .progress import Progress
 from .state_format import FORMAT_VERSION, GATHERED, IMPLEMENTATION_FLAGS, check_compatible, decode_meta, parse_piece_key
+from . import state_io
 from .state_io import check_loadable, load_state_dict
 from .state_pieces import scalar_state, wanted
 
@@ -149,13 +150,15 @@ def save(path: str, optimizer: "AccoOptimizer", *, model: Optional[torch.nn.Modu
     import torch.distributed.checkpoint as dcp
 
     _same_call(optimizer, "acco.checkpoint.save()")
-    group = optimizer.process_group
-    sd: Dict[str, Any] = {"optim": optimizer.sharded_state_dict(), "extra": dict(extra or {})}
+    group, shard = _place(optimizer)
+    optim = state_io.state_dict(optimizer._owners, sharded=True)
+    sd: Dict[str, Any] = {"optim": {shard: optim} if shard else optim, "extra": dict(extra or {})}
     if model is not None:
         sd["model"] = model.state_dict()
-    sums = checksums(sd)  # verified by load()
-    # Each rank's pieces are entries of its own; the rest every rank holds alike (kept where they agree).
-    own = {k: v for k, v in sums.items() if k.startswith(_PIECES)}
+    sums = checksums(_plain_leaves(sd))  # verified by load()
+    # Each rank's pieces (with DTensor parameters: its model shard's entries) are entries of its own; the rest
+    # every rank holds alike (kept where they agree).
+    own = {k: v for k, v in sums.items() if k.startswith((f"optim/{shard}/",) if shard else _PIECES)}
     common = replicated_only({k: v for k, v in sums.items() if k not in own}, group if dist.is_initialized() else None,
                              optimizer.device)
     sd["checksums"] = {**own, **common}
@@ -174,6 +177,46 @@ def save(path: str, optimizer: "AccoOptimizer", *, model: Optional[torch.nn.Modu
         os.rename(tmp, path)
         shutil.rmtree(old, ignore_errors=True)
     _barrier(group, path)
+
+
+def _place(optimizer: "AccoOptimizer") -> tuple:
+    """The group that writes and reads a checkpoint, and the name its optimizer entries are nested under:
+    the optimizer's group and none; with DTensor parameters, every rank of the mesh (the default group) and
+    this rank's model shard (``"shard1"``), as ranks of different shards hold different tensors under the
+    same piece keys."""
+    shards = optimizer._shards
+    return shards.checkpoint_group(optimizer.process_group), shards.shard_name()
+
+
+def _plain_leaves(sd: Dict[str, Any]) -> Dict[str, Any]:
+    """``sd`` less the model's DTensor entries: DCP saves them sharded, a checksum of a local shard would be
+    checked against another shard's, and the trained ones are checked through the optimizer's pieces."""
+    from .mesh import is_dtensor
+
+    if "model" not in sd:
+        return sd
+    return {**sd, "model": {k: v for k, v in sd["model"].items() if not is_dtensor(v)}}
+
+
+def _no_optimizer_here(where: str, meta: Dict[str, Any], shard: Optional[str]) -> CheckpointError:
+    """No optimizer description for this rank in the checkpoint: say whether it was written without a mesh,
+    with other model shards, or not by acco."""
+    plain = any(k.startswith("optim.meta.") for k in meta)
+    shards = sorted({k.split(".")[1] for k in meta if k.startswith("optim.shard") and k.split(".")[2:3] == ["meta"]})
+    if shard and plain:
+        return CheckpointError(
+            f"{where}: written by a run without DTensor parameters, loaded into one with them ({shard}). "
+            "Resume such a checkpoint without FSDP2/tensor parallelism, or start the mesh run from the model's "
+            "weights alone (load them into the model before parallelizing it) with a fresh optimizer. "
+            "Nothing was loaded.")
+    if shards:
+        here = f"this rank is {shard}" if shard else "this run has no DTensor parameters"
+        return CheckpointError(
+            f"{where}: written with DTensor parameters in model shards {shards}; {here}. Resume with the same "
+            "intra-host parallelism (the same FSDP2/tensor-parallel plan on a mesh of the same shape; the number "
+            "of hosts may change). Nothing was loaded.")
+    return CheckpointError(f"{where}: no AccoOptimizer description (optim.meta) in it: not written by "
+                           f"acco.checkpoint.save (format {FORMAT_VERSION} or 2). Nothing was loaded.")
 
 
 COMPLETE = ".acco-complete"
@@ -230,10 +273,15 @@ def load(path: str, optimizer: "AccoOptimizer", *, model: Optional[torch.nn.Modu
     path = resolve(path)
     where = f"acco.checkpoint.load({path!r})"
     no_dist = not dist.is_initialized()
+    group, shard = _place(optimizer)
+    pre = f"optim.{shard}." if shard else "optim."  # this rank's optimizer entries in the checkpoint's keys
+
+    def nest(optim: Any) -> Any:
+        return {shard: optim} if shard else optim
 
     def read(sd: Dict[str, Any]) -> None:
         try:
-            dcp.load(sd, checkpoint_id=path, process_group=optimizer.process_group, no_dist=no_dist)
+            dcp.load(sd, checkpoint_id=path, process_group=group, no_dist=no_dist)
         except (Exception, CheckpointException) as exc:  # DCP's own errors say little of what to do
             raise CheckpointError(
                 f"{where}: the checkpoint's files cannot be read: a file is missing, truncated or damaged "
@@ -246,19 +294,18 @@ def load(path: str, optimizer: "AccoOptimizer", *, model: Optional[torch.nn.Modu
     except Exception as exc:
         raise CheckpointError(f"{where}: its .metadata cannot be read ({type(exc).__name__}: {exc}). "
                               "Nothing was loaded.") from exc
-    meta_keys = {k.split(".", 2)[2]: tuple(meta[k].size) for k in meta if k.startswith("optim.meta.")}
+    meta_keys = {k[len(pre) + 5:]: tuple(meta[k].size) for k in meta if k.startswith(pre + "meta.")}
     sum_keys = [k.split(".", 1)[1] for k in meta if k.startswith("checksums.")]
     if not meta_keys:
-        raise CheckpointError(f"{where}: no AccoOptimizer description (optim.meta) in it: not written by "
-                              f"acco.checkpoint.save (format {FORMAT_VERSION} or 2). Nothing was loaded.")
+        raise _no_optimizer_here(where, meta, shard)
     # What the checkpoint holds is checked before anything (the model included) is touched.
-    head = {"optim": {"meta": _meta_template(meta_keys)}}
+    head = {"optim": nest({"meta": _meta_template(meta_keys)})}
     read(head)
     owners = optimizer._owners
-    info = decode_meta(head["optim"]["meta"])
+    info = decode_meta((head["optim"][shard] if shard else head["optim"])["meta"])
     check_compatible(owners.describe, info, False, owners.rank, owners.world_size)
     sd: Dict[str, Any] = {
-        "optim": _target(optimizer, meta, meta_keys, info),
+        "optim": nest(_target(optimizer, meta, meta_keys, info, pre)),
         "extra": {k: v.clone() for k, v in (extra or {}).items()},
     }
     trained = {}  # the model's entries that are this optimizer's parameters: restored from its slices instead
@@ -278,14 +325,15 @@ def load(path: str, optimizer: "AccoOptimizer", *, model: Optional[torch.nn.Modu
         got = state_legacy.dcp_checksums(sd, owners.rank, owners.layout.shard_size, optimizer.process_group,
                                          optimizer.device)
     else:
-        got = checksums(sd)
+        got = checksums(_plain_leaves(sd))
     verify(got, expected, where, subset=True)
-    check_loadable(owners, sd["optim"], allow_new_microbatches=allow_new_microbatches)  # before the model changes
+    optim = sd["optim"][shard] if shard else sd["optim"]
+    check_loadable(owners, optim, allow_new_microbatches=allow_new_microbatches)  # before the model changes
     if model is not None:
         # The trained parameters load from themselves here; load_state_dict below writes them from the
         # checkpoint's pieces (all-gathered into the idle round buffer): no model-sized copy.
         model.load_state_dict({**sd["model"], **{k: v.detach() for k, v in trained.items()}})
-    load_state_dict(owners, sd["optim"], checked=True)
+    load_state_dict(owners, optim, checked=True)
     return sd["extra"]
 
 
@@ -293,15 +341,15 @@ def _meta_template(meta_keys) -> Dict[str, torch.Tensor]:
     return {k: torch.zeros(shape, dtype=torch.int64 if len(shape) == 0 else torch.uint8) for k, shape in meta_keys.items()}
 
 
-def _target(optimizer: "AccoOptimizer", meta: Dict[str, Any], meta_keys, info) -> Dict[str, Any]:
+def _target(optimizer: "AccoOptimizer", meta: Dict[str, Any], meta_keys, info, pre: str = "optim.") -> Dict[str, Any]:
     """Empty tensors for ``dcp.load`` to fill: the saved pieces that overlap this rank's, every scalar of the
     parameters it steps, the hyper-parameters, counters and description."""
     owners = optimizer._owners
     layout, rank = owners.layout, owners.rank
-    hyper = {k.split(".", 2)[2]: tuple(meta[k].size) for k in meta if k.startswith("optim.hyper.")}
+    hyper = {k[len(pre + "hyper."):]: tuple(meta[k].size) for k in meta if k.startswith(pre + "hyper.")}
     if state_legacy.is_legacy(info):
-        keys = {"state": [k.split(".", 2)[2] for k in meta if k.startswith("optim.state.")],
-                "scalars": [k.split(".", 2)[2] for k in meta if k.startswith("optim.scalars.")],
+        keys = {"state": [k[len(pre + "state."):] for k in meta if k.startswith(pre + "state.")],
+                "scalars": [k[len(pre + "scalars."):] for k in meta if k.startswith(pre + "scalars.")],
                 "hyper": hyper, "counters": len(Progress.SAVED), "meta": meta_keys}
         return state_legacy.dcp_target(layout, rank, optimizer.process_group, optimizer.device,
                                        optimizer.compute_dtype, owners.flat.master.dtype, keys)
@@ -312,8 +360,8 @@ def _target(optimizer: "AccoOptimizer", meta: Dict[str, Any], meta_keys, info) -
 
     saved: Dict[int, list] = {}
     for k in meta:
-        if k.startswith("optim.master."):
-            i, a = parse_piece_key(k[len("optim.master."):])
+        if k.startswith(pre + "master."):
+            i, a = parse_piece_key(k[len(pre + "master."):])
             saved.setdefault(i, []).append((a, int(torch.Size(meta[k].size).numel())))
     out: Dict[str, Any] = {"master": {}, "params": {}, "state": {}, "entries": {}, "scalars": {},
                            "hyper": {k: torch.zeros(shape, dtype=torch.float64) for k, shape in hyper.items()},
@@ -322,13 +370,13 @@ def _target(optimizer: "AccoOptimizer", meta: Dict[str, Any], meta_keys, info) -
     for i, a in wanted(layout, rank, saved):
         key = f"{i}:{a}"
         for section in ("master", "params", "entries"):
-            out[section][key] = empty(f"optim.{section}.{key}")
-        head = f"optim.state.{key}."
+            out[section][key] = empty(f"{pre}{section}.{key}")
+        head = f"{pre}state.{key}."
         state = {k[len(head):]: empty(k) for k in meta if k.startswith(head)}
         if state:
             out["state"][key] = state
     for i in layout.stepped_by(rank):
-        head = f"optim.scalars.{i}."
+        head = f"{pre}scalars.{i}."
         scalars = {k[len(head):]: empty(k) for k in meta if k.startswith(head)}
         if scalars:
             out["scalars"][str(i)] = scalars

@@ -23,6 +23,7 @@ __all__ = [
     "new_round_group",
     "reduce_scatter_flat",
     "release_round_group",
+    "new_local_group",
     "ring_algorithm",
     "ring_all_gather",
     "ring_reduce_scatter",
@@ -83,9 +84,14 @@ def new_round_group(group: dist.ProcessGroup, timeout: Any) -> dist.ProcessGroup
     """A process group of its own for rounds, over ``group``'s ranks (a spare one when a finished optimizer left
     one). Collective on ``group``'s ranks (all of WORLD's when ``group`` is WORLD)."""
     ranks, backend = dist.get_process_group_ranks(group), dist.get_backend(group)
-    local = group is not dist.group.WORLD
-    if not local:
+    if group is dist.group.WORLD:
         return dist.new_group(ranks=ranks, backend=backend, timeout=timeout)
+    return new_local_group(ranks, backend, timeout)
+
+
+def new_local_group(ranks: List[int], backend: str, timeout: Any) -> dist.ProcessGroup:
+    """A process group over ``ranks`` made by those ranks alone (a spare one when a finished optimizer left
+    one). Collective on ``ranks``."""
     key = (tuple(ranks), backend, timeout)
     spare = _SPARE.get(key)
     if spare:

@@ -231,3 +231,6 @@ class RoundDriver:
         group, self.ctx.group = self.ctx.group, None
         if group is not None:
             release_round_group(group, abort)
+        model, self.ctx.model_group = self.ctx.model_group, None  # DTensor parameters: the norm's other group
+        if model is not None:
+            release_round_group(model, abort)

@@ -16,23 +16,29 @@ each parameter's ``.grad``; the parameter's post-accumulate hook moves its
 local shard into the library's buffer (:meth:`LocalShards.take_grad`) and sets
 ``.grad`` to ``None``, so the usual machinery sees a plain gradient.
 
+The round's gradient norm (clipping, the non-finite check) spans the model: each
+rank's sum of squares over :func:`counted_ranges` (a ``Replicate`` parameter
+counted once), summed over the data-parallel group and then over the
+parameters' mesh (:func:`model_ranks`, a group of the round's own), so every
+shard clips by the same factor and skips the same rounds.
+
 What is not supported yet is refused at construction (:func:`check_supported`):
-``max_grad_norm`` (the norm must span the model dimension), whole-tensor
-optimizers (Muon, Adafactor), dtypes other than the parameters', and mixed
-plain and DTensor parameters; a gradient that arrives without running the
-hooks, at ``step()``. No collective here.
+whole-tensor optimizers (Muon, Adafactor), dtypes other than the parameters',
+and mixed plain and DTensor parameters; a gradient that arrives without
+running the hooks, at ``step()``. No collective here.
 """
 
 from __future__ import annotations
 
-from typing import Any, List, Optional, Sequence
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
 from .errors import ModelMovedError
 
-__all__ = ["LocalShards", "check_supported", "is_dtensor", "refuse_grad_outside_autograd"]
+__all__ = ["LocalShards", "check_supported", "counted_ranges", "is_dtensor", "model_ranks",
+           "refuse_grad_outside_autograd"]
 
 
 def is_dtensor(p: Any) -> bool:
@@ -71,6 +77,32 @@ class LocalShards:
             local.grad.add_(grad)
         p.grad = None
 
+    def shard_name(self) -> Optional[str]:
+        """This rank's model shard, by its coordinate on the parameters' mesh (``"shard1"``, ``"shard0_1"``):
+        the namespace of its pieces in a DCP checkpoint, where ranks of one data-parallel group share one
+        shard and ranks of different shards hold different tensors under the same piece keys. ``None``
+        without a mesh."""
+        if not self.any:
+            return None
+        return "shard" + "_".join(str(c) for c in self.mesh.get_coordinate())
+
+    def checkpoint_group(self, group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
+        """The group a DCP checkpoint of DTensor parameters is written and read by: every rank of the
+        data-parallel group times the model's mesh, which must be the default group (DCP names its files by
+        rank, so two data-parallel groups writing one folder apart would overwrite each other's)."""
+        if not self.any:
+            return group
+        world = dist.get_world_size()
+        covered = (dist.get_world_size(group) if group is not None else 1) * self.mesh.size()
+        if covered != world:
+            raise NotImplementedError(
+                f"acco.checkpoint with DTensor parameters: the data-parallel group ({covered // self.mesh.size()} "
+                f"ranks) times the parameters' mesh ({self.mesh.size()} ranks) covers {covered} of the "
+                f"{world} ranks (pipeline stages or other groups beside it?); a checkpoint is written by every "
+                "rank of the default group, so it must be exactly that. Save opt.state_dict() per rank instead "
+                "(docs/models-larger-than-one-device.md)")
+        return dist.group.WORLD
+
     def describe(self) -> str:
         """What the mesh and the placements are, for the fingerprint every rank must agree on."""
         if not self.any:
@@ -80,15 +112,38 @@ class LocalShards:
         return ";".join(rows)
 
 
-def check_supported(shards: LocalShards, group: Optional[dist.ProcessGroup], *, max_grad_norm: Optional[float],
-                    whole: bool, dtypes_plain: bool) -> None:
+def model_ranks(shards: LocalShards) -> Optional[List[int]]:
+    """The ranks holding the other shards of this rank's parameters (the parameters' mesh), when there are
+    others: the round's gradient norm is summed over them too."""
+    if not shards.any or shards.mesh.size() == 1:
+        return None
+    return shards.mesh.mesh.flatten().tolist()
+
+
+def counted_ranges(shards: LocalShards, pieces: Sequence[Any]) -> Optional[List[Tuple[int, int]]]:
+    """The ranges of this rank's gradient slice (``pieces``: the layout's, of this rank) whose squares count in
+    the global norm: every parameter's, except those of a parameter ``Replicate`` on a mesh dimension where
+    this rank's coordinate is not 0 (the rank at coordinate 0 counts it, once). ``None``: the whole slice."""
+    if not shards.any:
+        return None
+    coordinate = shards.mesh.get_coordinate()
+    elsewhere = {i for i, p in enumerate(shards.params)
+                 if any(pl.is_replicate() and c != 0 for pl, c in zip(p.placements, coordinate))}
+    if not elsewhere:
+        return None
+    return [(pc.local_start, pc.local_end) for pc in pieces if pc.numel and pc.index not in elsewhere]
+
+
+def check_supported(shards: LocalShards, group: Optional[dist.ProcessGroup], *, whole: bool,
+                    dtypes_plain: bool) -> None:
     """Refuse, before anything is built, what DTensor parameters do not support yet, naming what works."""
     if not shards.any:
         return
     works = ("What works: FSDP2 (fully_shard(model, mesh=mesh['tp'])) or tensor parallelism (parallelize_module "
              "on mesh['tp']) inside a host, with AccoOptimizer over "
              "process_group=mesh['dp'] (or mesh['dp'].get_group()), an element-wise optimizer (AdamW, Adam, SGD), "
-             "the parameters' own dtype, nonfinite='skip' or 'raise' (docs/models-larger-than-one-device.md)")
+             "the parameters' own dtype, max_grad_norm, nonfinite='skip' or 'raise' "
+             "(docs/models-larger-than-one-device.md)")
     if not all(shards.sharded):
         plain = [i for i, s in enumerate(shards.sharded) if not s]
         raise TypeError(
@@ -98,10 +153,6 @@ def check_supported(shards: LocalShards, group: Optional[dist.ProcessGroup], *, 
     if len(meshes) > 1:
         raise ValueError(f"AccoOptimizer: the DTensor parameters live on {len(meshes)} different meshes; give it "
                          f"parameters on one mesh. {works}")
-    if max_grad_norm is not None:
-        raise NotImplementedError(
-            f"AccoOptimizer: max_grad_norm with DTensor parameters is not supported yet (the norm must span the "
-            f"tensor-parallel dimension). {works}")
     if whole:
         raise NotImplementedError(
             f"AccoOptimizer: an optimizer that steps whole tensors (Muon, Adafactor) on DTensor parameters is not "

@@ -41,7 +41,7 @@ from . import ddp as _ddp
 from . import hooks, mesh
 from .agreement import hyper_fingerprint
 from .buffers import FlatBuffers
-from .collectives import connect, group_rank, group_size, new_round_group, ring_algorithm
+from .collectives import new_local_group, connect, group_rank, group_size, new_round_group, ring_algorithm
 from .driver import RoundDriver
 from .introspection import Introspection
 from .placement import Layout
@@ -255,7 +255,7 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
                                                        self.world_size)
         self._model_buffers = V.check_buffers(buffers, device)
         self._progress = Progress(torch.zeros((), dtype=torch.float64, device=device), microbatches_per_update)
-        mesh.check_supported(self._shards, self._group, max_grad_norm=max_grad_norm, whole="whole" in placements,
+        mesh.check_supported(self._shards, self._group, whole="whole" in placements,
                              dtypes_plain=self.compute_dtype == self.accumulation_dtype == self._params[0].dtype)
         self.layout = Layout.build([p.shape for p in local], self.world_size, placements, costs)
         if self.layout.padding > 0.1 * self.layout.numel:
@@ -271,6 +271,10 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
             # interleave with a round's.
             round_group = new_round_group(self._group, timeout)
             connect(round_group, device)  # its communicator now, from this thread, not in the first backward
+        model_group, model_ranks = None, mesh.model_ranks(self._shards)
+        if model_ranks is not None:  # the norm over the model's other shards, on a group of the rounds' own too
+            model_group = new_local_group(model_ranks, dist.get_backend(round_group or self._group), timeout)
+            connect(model_group, device)
         # The agreement gathers of the public collective calls (which call every rank is in, refusals, round
         # counts) run on the main thread. With ``timeout`` they get a small CPU (gloo) group of their own that
         # honours it, so a call made on some ranks only fails within ``timeout``, not the process group's.
@@ -304,6 +308,7 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
             # Scratch for Opt* (mode acco), and on the CUDA path for undoing a skipped step on the device.
             OptimizerSnapshot() if mode == "acco" or self.scheduler.uses_streams else None,
             max_grad_norm, nonfinite, device_checks=self.scheduler.uses_streams, extrapolation=estimate_extrapolation,
+            model_group=model_group, norm_ranges=mesh.counted_ranges(self._shards, self.layout.pieces(self.rank)),
         )
         self._driver = RoundDriver(ctx, self.scheduler, self._progress, self._flat, self.rank, self.world_size)
         self._finished = False
@@ -634,20 +639,24 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
     # ------------------------------------------------------------------ checkpoints
 
     def _refuse_mesh(self, call: str) -> None:
-        """The checkpoint forms keyed by parameter and element do not yet tell the shards of a DTensor apart."""
+        """Checkpoint forms that do not tell the model shards of DTensor parameters apart."""
         if self._shards.any:
             raise NotImplementedError(
-                f"AccoOptimizer.{call} with DTensor parameters is not supported yet: save opt.state_dict() on every "
-                "rank to a file of its own (torch.save(opt.state_dict(), f'optim.rank{dist.get_rank()}.pt')) with "
-                "the model's DTensor state dict through torch.distributed.checkpoint, and resume on the same mesh "
+                f"AccoOptimizer.{call} with DTensor parameters is not supported: ranks of different model shards "
+                "hold different tensors under the same keys. Use acco.checkpoint.save(path, opt, model=model) and "
+                "acco.checkpoint.load(path, opt, model=model), which keep each shard's apart (or "
+                "torch.save(opt.state_dict(), f'optim.rank{dist.get_rank()}.pt') on every rank) "
                 "(docs/models-larger-than-one-device.md)")
 
     def _describe(self) -> Dict[str, Any]:
         """What a state dict of this optimizer holds, independent of the world size (format 3)."""
         classes = list(dict.fromkeys(self._classes))
-        return {"format": FORMAT_VERSION, "mode": self.mode, "optimizer": "+".join(class_name(c) for c in classes),
-                "layout": self.layout.describe(),
-                "dtypes": f"compute {self.compute_dtype}, master {self._flat.master.dtype}"}
+        out = {"format": FORMAT_VERSION, "mode": self.mode, "optimizer": "+".join(class_name(c) for c in classes),
+               "layout": self.layout.describe(),
+               "dtypes": f"compute {self.compute_dtype}, master {self._flat.master.dtype}"}
+        if self._shards.any:  # the placements and this rank's model shard: another shard's state is refused
+            out["mesh"] = f"{self._shards.describe()} as {self._shards.shard_name()}"
+        return out
 
     def state_dict(self) -> Dict[str, Any]:
         """This rank's share of the state, with what it is (rank, world size, mode, optimizer, layout).
@@ -662,7 +671,7 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
     def sharded_state_dict(self) -> Dict[str, Any]:
         """The state for ``torch.distributed.checkpoint``: each rank's pieces keyed by parameter and first
         element, so DCP writes each once and a load on any world size reads those it needs. Local."""
-        self._refuse_mesh("sharded_state_dict() / acco.checkpoint.save/load")
+        self._refuse_mesh("sharded_state_dict()")
         return state_io.state_dict(self._owners, sharded=True)
 
     def load_state_dict(self, state_dict: Dict[str, Any], *, restore_model: bool = False,

@@ -13,7 +13,7 @@ padded elements of the flat buffer, ``P/N`` per rank):
    fingerprint, round id]``: 3 float64 in, ``3N`` out;
 2. reduce-scatter of the gradient sum, ``P`` elements of the accumulation
    dtype in, this rank's ``P/N`` out (gloo: the ring of ``collectives.py``);
-3. all-reduce of the squared gradient norm: 1 float64;
+3. all-reduce of the squared gradient norm: 1 float64 (with DTensor parameters, again over the parameters' mesh);
 4. all-gather of the new weights: ``P/N`` of the compute dtype in, ``P`` out,
    into the memory the gradients left (gloo: the ring).
 
@@ -129,6 +129,11 @@ class RoundContext:
     nonfinite: str = "skip"
     device_checks: bool = False  # CUDA path: checks become device flags, no host sync
     extrapolation: float = 1.0  # estimate rounds: theta~ = theta + c * (Opt*(theta, g) - theta)
+    # DTensor parameters: the group of the ranks holding the other shards of this rank's parameters (the norm is
+    # summed over it too; a group of the rounds' own), and the ranges of the gradient slice that count in it
+    # (mesh.counted_ranges; None: all of it).
+    model_group: Optional[dist.ProcessGroup] = None
+    norm_ranges: Optional[List[Tuple[int, int]]] = None
 
 
 @dataclass
@@ -163,11 +168,21 @@ class RoundReport:
     ROUND_MISMATCH, HYPER_MISMATCH, NONFINITE, NORM, IDS = 0, 1, 2, 3, 4
 
 
-def global_grad_norm(grad_shard: torch.Tensor, group: Optional[dist.ProcessGroup]) -> torch.Tensor:
-    """L2 norm of the full averaged gradient from this rank's slice. Collective."""
+def global_grad_norm(grad_shard: torch.Tensor, group: Optional[dist.ProcessGroup],
+                     model_group: Optional[dist.ProcessGroup] = None,
+                     ranges: Optional[List[Tuple[int, int]]] = None) -> torch.Tensor:
+    """L2 norm of the full averaged gradient from this rank's slice (``ranges`` of it; with DTensor parameters,
+    and the other shards' over ``model_group``). Collective on ``group``, then on ``model_group``."""
     # fp32 norm of the slice (no full-size temporary), squared in fp64 so the sum over slices is exact enough
-    sq = torch.linalg.vector_norm(grad_shard).double().pow(2).reshape(1)
+    if ranges is None:
+        sq = torch.linalg.vector_norm(grad_shard).double().pow(2).reshape(1)
+    else:
+        sq = torch.zeros(1, dtype=torch.float64, device=grad_shard.device)
+        for a, b in ranges:
+            sq.add_(torch.linalg.vector_norm(grad_shard[a:b]).double().pow(2))
     all_reduce_sum(sq, group)  # sum of squares over all slices
+    if model_group is not None:
+        all_reduce_sum(sq, model_group)  # and over the model's other shards (tensor parallel / FSDP2 ranks)
     return sq.sqrt()[0]
 
 
@@ -237,7 +252,7 @@ def run_round(ctx: RoundContext, spec: RoundSpec) -> RoundResult:
         b.grad.div_(b.count)  # the mean over all micro-batches of all ranks
     else:
         b.grad.mul_(spec.grad_scale)
-    norm = global_grad_norm(b.grad, group)  # one all-reduce of a scalar
+    norm = global_grad_norm(b.grad, group, ctx.model_group, ctx.norm_ranges)  # an all-reduce of a scalar (two: a mesh)
 
     wrapped.write_hyper(spec.hyperparams)
     # An estimate computes Opt* of Adam/AdamW/SGD straight into the all-gather's input (functional); the other

@@ -125,6 +125,15 @@ def check_compatible(mine: Dict[str, Any], saved: Dict[str, Any], rank_shard: bo
             f"AccoOptimizer state dict of format {saved.get('format')!r}; this acco reads formats 2 and "
             f"{FORMAT_VERSION}: it was written by another acco version. Nothing was loaded."
         )
+    # The placements first: another intra-host parallelism changes the local shapes (the layout) too.
+    if saved.get("mesh", "no mesh") != mine.get("mesh", "no mesh"):
+        raise ValueError(
+            f"AccoOptimizer.load_state_dict(): the state was written with DTensor parameters {saved.get('mesh', 'no mesh')!r}; "
+            f"this optimizer's are {mine.get('mesh', 'no mesh')!r} (placements on the parameters' mesh, and this "
+            "rank's model shard). Resume with the same intra-host parallelism (the same FSDP2/tensor-parallel "
+            "plan on a mesh of the same shape; the number of hosts may change with acco.checkpoint), and with "
+            "each rank's own file for opt.state_dict(). Nothing was loaded."
+        )
     for key, fix in (("mode", "build the AccoOptimizer with mode={!r} to resume it"),
                      ("optimizer", "build the AccoOptimizer around {} to resume it"),
                      ("layout", "resume with the same model (the same trainable parameters, in the same order, "
