@@ -10,6 +10,15 @@ the round's reduce-scatter -> sharded step -> all-gather act on the local
 tensors (which share the DTensors' storage), and the round's collectives run
 on the data-parallel group only.
 
+A model's parameters may mix DTensors on several meshes and plain tensors (a
+tensor-parallel plan that leaves the norms and embeddings alone, FSDP2 after
+it on another dimension): what matters is which ranks hold the same piece of
+each parameter. A parameter's *signature* on a rank is the chunk it holds
+along each mesh dimension it is sharded on (a plain tensor's is empty: whole,
+replicated); ranks of the model group (every rank holding a part of this
+rank's model: the union of the parameters' meshes) with equal signatures hold
+equal values, which construction checks (:func:`check_replicas`).
+
 Gradients: autograd (tensor parallelism) or FSDP2's reduce-scatter (which
 then runs the parameter's post-accumulate hooks) puts a ``DTensor`` gradient in
 each parameter's ``.grad``; the parameter's post-accumulate hook moves its
@@ -17,15 +26,15 @@ local shard into the library's buffer (:meth:`LocalShards.take_grad`) and sets
 ``.grad`` to ``None``, so the usual machinery sees a plain gradient.
 
 The round's gradient norm (clipping, the non-finite check) spans the model: each
-rank's sum of squares over :func:`counted_ranges` (a ``Replicate`` parameter
-counted once), summed over the data-parallel group and then over the
-parameters' mesh (:func:`model_ranks`, a group of the round's own), so every
-shard clips by the same factor and skips the same rounds.
+rank's sum of squares over :func:`counted_ranges` (a replicated piece counted
+once, by the lowest rank holding it), summed over the data-parallel group and
+then over the model group (a group of the rounds' own), so every shard clips
+by the same factor and skips the same rounds.
 
 What is not supported yet is refused at construction (:func:`check_supported`):
-whole-tensor optimizers (Muon, Adafactor), dtypes other than the parameters',
-and mixed plain and DTensor parameters; a gradient that arrives without
-running the hooks, at ``step()``. No collective here.
+whole-tensor optimizers (Muon, Adafactor), dtypes other than the parameters';
+a gradient that arrives without running the hooks, at ``step()``. No
+collective here except :func:`check_replicas`.
 """
 
 from __future__ import annotations
@@ -37,8 +46,8 @@ import torch.distributed as dist
 
 from .errors import ModelMovedError
 
-__all__ = ["LocalShards", "check_supported", "counted_ranges", "is_dtensor", "model_ranks",
-           "refuse_grad_outside_autograd"]
+__all__ = ["LocalShards", "check_replicas", "check_supported", "counted_ranges", "is_dtensor", "model_ranks",
+           "refuse_grad_outside_autograd", "signature"]
 
 
 def is_dtensor(p: Any) -> bool:
@@ -55,7 +64,10 @@ class LocalShards:
         self.sharded = [is_dtensor(p) for p in self.params]
         self.any = any(self.sharded)
         self.locals: List[torch.Tensor] = [p._local_tensor if s else p for p, s in zip(self.params, self.sharded)]
-        self.mesh = self.params[self.sharded.index(True)].device_mesh if self.any else None
+        meshes = {id(p.device_mesh): p.device_mesh for p, s in zip(self.params, self.sharded) if s}
+        # Every rank holding a part of this rank's model (the union of the parameters' meshes), sorted.
+        self.model_ranks: List[int] = sorted({r for m in meshes.values() for r in m.mesh.flatten().tolist()})
+        self.signatures = [signature(p) if s else () for p, s in zip(self.params, self.sharded)]
 
     @torch.no_grad()
     def take_grad(self, index: int) -> None:
@@ -78,26 +90,26 @@ class LocalShards:
         p.grad = None
 
     def shard_name(self) -> Optional[str]:
-        """This rank's model shard, by its coordinate on the parameters' mesh (``"shard1"``, ``"shard0_1"``):
+        """This rank's model shard, by its place in the model group (``"shard1"``):
         the namespace of its pieces in a DCP checkpoint, where ranks of one data-parallel group share one
         shard and ranks of different shards hold different tensors under the same piece keys. ``None``
         without a mesh."""
         if not self.any:
             return None
-        return "shard" + "_".join(str(c) for c in self.mesh.get_coordinate())
+        return f"shard{self.model_ranks.index(dist.get_rank())}"
 
     def checkpoint_group(self, group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
         """The group a DCP checkpoint of DTensor parameters is written and read by: every rank of the
-        data-parallel group times the model's mesh, which must be the default group (DCP names its files by
+        data-parallel group times the model group, which must be the default group (DCP names its files by
         rank, so two data-parallel groups writing one folder apart would overwrite each other's)."""
         if not self.any:
             return group
-        world = dist.get_world_size()
-        covered = (dist.get_world_size(group) if group is not None else 1) * self.mesh.size()
+        world, inside = dist.get_world_size(), len(self.model_ranks)
+        covered = (dist.get_world_size(group) if group is not None else 1) * inside
         if covered != world:
             raise NotImplementedError(
-                f"acco.checkpoint with DTensor parameters: the data-parallel group ({covered // self.mesh.size()} "
-                f"ranks) times the parameters' mesh ({self.mesh.size()} ranks) covers {covered} of the "
+                f"acco.checkpoint with DTensor parameters: the data-parallel group ({covered // inside} "
+                f"ranks) times the parameters' meshes ({inside} ranks) covers {covered} of the "
                 f"{world} ranks (pipeline stages or other groups beside it?); a checkpoint is written by every "
                 "rank of the default group, so it must be exactly that. Save opt.state_dict() per rank instead "
                 "(docs/models-larger-than-one-device.md)")
@@ -112,26 +124,57 @@ class LocalShards:
         return ";".join(rows)
 
 
+def signature(p: Any) -> tuple:
+    """Which piece of DTensor ``p`` this rank holds: ``(mesh dimension, tensor dimension, chunk)`` for each mesh
+    dimension it is sharded on (the dimension by name where the mesh has names). Ranks with equal signatures
+    hold the same piece."""
+    mesh, coordinate = p.device_mesh, p.device_mesh.get_coordinate()
+    names = mesh.mesh_dim_names or tuple(range(mesh.ndim))
+    # Any placement but Replicate splits the tensor (FSDP2 over tensor parallelism on the same dimension
+    # places _StridedShard, which is_shard() does not count).
+    return tuple(sorted((str(names[d]), getattr(pl, "dim", -1), coordinate[d]) for d, pl in enumerate(p.placements)
+                        if not pl.is_replicate()))
+
+
 def model_ranks(shards: LocalShards) -> Optional[List[int]]:
-    """The ranks holding the other shards of this rank's parameters (the parameters' mesh), when there are
-    others: the round's gradient norm is summed over them too."""
-    if not shards.any or shards.mesh.size() == 1:
+    """The model group's ranks when it has more than this one: the round's gradient norm is summed over them."""
+    if not shards.any or len(shards.model_ranks) == 1:
         return None
-    return shards.mesh.mesh.flatten().tolist()
+    return shards.model_ranks
 
 
-def counted_ranges(shards: LocalShards, pieces: Sequence[Any]) -> Optional[List[Tuple[int, int]]]:
+def check_replicas(shards: LocalShards, group: Optional[dist.ProcessGroup]) -> List[bool]:
+    """Whether this rank counts each parameter in the global norm (the lowest rank of the model group holding
+    its piece does), after checking that the ranks holding the same piece hold the same values (a plain
+    parameter left out of the tensor-parallel plan must be the same on every rank of it). Collective on
+    ``group`` (the model group's ranks; None: this rank alone)."""
+    sums = [float(t.detach().double().sum()) + float(t.detach().double().abs().sum()) if not s else 0.0
+            for t, s in zip(shards.locals, shards.sharded)]
+    mine = (dist.get_rank(), shards.signatures, sums)
+    everyone = [mine]
+    if group is not None:
+        everyone = [None] * dist.get_world_size(group)
+        # all_gather_object: every rank's (rank, signatures, plain parameters' sums), once at construction.
+        dist.all_gather_object(everyone, mine, group=group)
+    counts = []
+    for i, sig in enumerate(shards.signatures):
+        holders = sorted((r, sm[i]) for r, sg, sm in everyone if sg[i] == sig)
+        if len({v for _, v in holders}) > 1:
+            raise ValueError(
+                f"AccoOptimizer: parameter {i} is a plain tensor whose values differ across ranks "
+                f"{[r for r, _ in holders]}, which hold it whole (tensor parallelism replicates a parameter it "
+                "leaves out of its plan): give every rank the same initial weights (seed the model alike before "
+                "parallelize_module), or make it a DTensor in the plan")
+        counts.append(holders[0][0] == dist.get_rank())
+    return counts
+
+
+def counted_ranges(counts: Optional[List[bool]], pieces: Sequence[Any]) -> Optional[List[Tuple[int, int]]]:
     """The ranges of this rank's gradient slice (``pieces``: the layout's, of this rank) whose squares count in
-    the global norm: every parameter's, except those of a parameter ``Replicate`` on a mesh dimension where
-    this rank's coordinate is not 0 (the rank at coordinate 0 counts it, once). ``None``: the whole slice."""
-    if not shards.any:
+    the global norm: those of the parameters it counts (:func:`check_replicas`). ``None``: the whole slice."""
+    if counts is None or all(counts):
         return None
-    coordinate = shards.mesh.get_coordinate()
-    elsewhere = {i for i, p in enumerate(shards.params)
-                 if any(pl.is_replicate() and c != 0 for pl, c in zip(p.placements, coordinate))}
-    if not elsewhere:
-        return None
-    return [(pc.local_start, pc.local_end) for pc in pieces if pc.numel and pc.index not in elsewhere]
+    return [(pc.local_start, pc.local_end) for pc in pieces if pc.numel and counts[pc.index]]
 
 
 def check_supported(shards: LocalShards, group: Optional[dist.ProcessGroup], *, whole: bool,
@@ -144,15 +187,6 @@ def check_supported(shards: LocalShards, group: Optional[dist.ProcessGroup], *, 
              "process_group=mesh['dp'] (or mesh['dp'].get_group()), an element-wise optimizer (AdamW, Adam, SGD), "
              "the parameters' own dtype, max_grad_norm, nonfinite='skip' or 'raise' "
              "(docs/models-larger-than-one-device.md)")
-    if not all(shards.sharded):
-        plain = [i for i, s in enumerate(shards.sharded) if not s]
-        raise TypeError(
-            f"AccoOptimizer: parameters {plain[:8]} are plain tensors and the others DTensors: give it all of a "
-            f"model's trainable parameters after parallelize_module (it makes every parameter a DTensor). {works}")
-    meshes = {str(p.device_mesh) for p in shards.params}
-    if len(meshes) > 1:
-        raise ValueError(f"AccoOptimizer: the DTensor parameters live on {len(meshes)} different meshes; give it "
-                         f"parameters on one mesh. {works}")
     if whole:
         raise NotImplementedError(
             f"AccoOptimizer: an optimizer that steps whole tensors (Muon, Adafactor) on DTensor parameters is not "
@@ -163,7 +197,7 @@ def check_supported(shards: LocalShards, group: Optional[dist.ProcessGroup], *, 
             f"parameters is not supported yet. {works}")
     if group is not None:
         mine = set(dist.get_process_group_ranks(group))
-        model = set(shards.mesh.mesh.flatten().tolist())
+        model = set(shards.model_ranks)
         if len(mine & model) > 1:
             raise ValueError(
                 f"AccoOptimizer: process_group (ranks {sorted(mine)}) spans the DTensor parameters' mesh (ranks "

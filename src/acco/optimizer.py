@@ -275,6 +275,8 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         if model_ranks is not None:  # the norm over the model's other shards, on a group of the rounds' own too
             model_group = new_local_group(model_ranks, dist.get_backend(round_group or self._group), timeout)
             connect(model_group, device)
+        # Which parameters this rank counts in the global norm; plain ones must be alike on the model's ranks.
+        counts = mesh.check_replicas(self._shards, model_group) if self._shards.any else None
         # The agreement gathers of the public collective calls (which call every rank is in, refusals, round
         # counts) run on the main thread. With ``timeout`` they get a small CPU (gloo) group of their own that
         # honours it, so a call made on some ranks only fails within ``timeout``, not the process group's.
@@ -308,7 +310,7 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
             # Scratch for Opt* (mode acco), and on the CUDA path for undoing a skipped step on the device.
             OptimizerSnapshot() if mode == "acco" or self.scheduler.uses_streams else None,
             max_grad_norm, nonfinite, device_checks=self.scheduler.uses_streams, extrapolation=estimate_extrapolation,
-            model_group=model_group, norm_ranges=mesh.counted_ranges(self._shards, self.layout.pieces(self.rank)),
+            model_group=model_group, norm_ranges=mesh.counted_ranges(counts, self.layout.pieces(self.rank)),
         )
         self._driver = RoundDriver(ctx, self.scheduler, self._progress, self._flat, self.rank, self.world_size)
         self._finished = False
