@@ -39,6 +39,7 @@ collective here except :func:`check_replicas`.
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
@@ -47,7 +48,7 @@ import torch.distributed as dist
 from .errors import ModelMovedError
 
 __all__ = ["LocalShards", "check_replicas", "check_supported", "counted_ranges", "is_dtensor", "model_ranks",
-           "refuse_grad_outside_autograd", "signature"]
+           "refuse_grad_outside_autograd", "signature", "warn_short_update"]
 
 
 def is_dtensor(p: Any) -> bool:
@@ -205,6 +206,20 @@ def check_supported(shards: LocalShards, group: Optional[dist.ProcessGroup], *, 
                 f"a 2-D (HSDP) mesh already reduces across hosts. Give FSDP2/tensor parallelism the intra-host "
                 f"dimension only and ACCO the data-parallel one, e.g. process_group=mesh['dp'] for a ('dp', 'tp') "
                 f"mesh. {works}")
+
+
+def warn_short_update(mode: str, seen: int, expected: Optional[int]) -> None:
+    """At ``step()`` in mode acco: an update whose gradients reached the optimizer in fewer backward passes than
+    ``microbatches_per_update`` has no estimate round (it commits synchronously, as a short update at the end
+    of an epoch does). With FSDP2 the usual cause is ``set_requires_gradient_sync(False)``: its gradients
+    arrive at the last micro-batch only, so every update loses ACCO's overlap."""
+    if mode == "acco" and expected is not None and 0 < seen < expected:
+        warnings.warn(
+            f"AccoOptimizer: this update's gradients arrived in {seen} backward pass(es), not "
+            f"microbatches_per_update={expected}: it has no estimate round and commits synchronously. With "
+            "FSDP2, do not call set_requires_gradient_sync(False) on the first micro-batches (ACCO needs each "
+            "micro-batch's gradient as it arrives, and accumulates it itself); modes sync and dpu accept it "
+            "(docs/models-larger-than-one-device.md)", stacklevel=3)
 
 
 def refuse_grad_outside_autograd(shards: LocalShards) -> None:

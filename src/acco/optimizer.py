@@ -542,6 +542,7 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         self._check_ddp_once()
         if self._shards.any:
             mesh.refuse_grad_outside_autograd(self._shards)
+            mesh.warn_short_update(self.mode, self._progress.mb_in_update, self._progress.microbatches_per_update)
         self._loop.step()
         return loss
 
