@@ -75,6 +75,17 @@ def test_overlap_and_report_smoke(tmp_path):
     assert row["acco / ddp"] == _ratio_cell([tokens["acco", k] / tokens["ddp", k] for k in range(2)])
 
 
+def test_mesh_memory_smoke(tmp_path):
+    """benchmarks/mesh_memory.py runs its three methods on a (2, 2) mesh under torchrun and prints a row each."""
+    out = run_command([sys.executable, str(BENCH / "mesh_memory.py"), "--smoke", "--out", str(tmp_path / "m.jsonl")],
+                      timeout=600)
+    rows = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    assert sorted({r["method"] for r in rows}) == ["acco", "fsdp2-acco", "hsdp-adamw"] and len(rows) == 12
+    assert all(r["peak_rss"] > 0 and r["expected"] > 0 for r in rows)
+    for method in ("| hsdp-adamw |", "| fsdp2-acco |", "| acco |"):
+        assert method in out, out
+
+
 def test_hetero_smoke(tmp_path):
     """Check hetero.py: the slowed rank contributes fewer micro-batches per round to acco-acc."""
     out = tmp_path / "hetero.jsonl"
