@@ -86,6 +86,15 @@ def test_mesh_memory_smoke(tmp_path):
         assert method in out, out
 
 
+def test_mesh_speed_smoke(tmp_path):
+    """benchmarks/mesh_speed.py runs both methods on a (2, 2) mesh on loopback and prints their ratio."""
+    out = run_command([sys.executable, str(BENCH / "mesh_speed.py"), "--smoke", "--out", str(tmp_path / "s.jsonl")],
+                      timeout=600)
+    rows = [json.loads(line) for line in (tmp_path / "s.jsonl").read_text().splitlines()]
+    assert [r["method"] for r in rows] == ["hsdp-adamw", "fsdp2-acco"] and all(r["tokens_per_s"] > 0 for r in rows)
+    assert "fsdp2-acco / hsdp-adamw tokens/s: median" in out, out
+
+
 def test_hetero_smoke(tmp_path):
     """Check hetero.py: the slowed rank contributes fewer micro-batches per round to acco-acc."""
     out = tmp_path / "hetero.jsonl"
