@@ -45,11 +45,10 @@ def worker(method: str, dim: int, layers: int, out: str) -> None:
     import torch.distributed as dist
     import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     sys.path.insert(0, str(ROOT / "src"))
     sys.path.insert(0, str(ROOT / "examples" / "mesh"))
-    from train import Decoder  # examples/mesh/train.py
+    from train import Decoder, sharded_on_meta  # examples/mesh/train.py
 
     from acco import AccoOptimizer
 
@@ -64,17 +63,8 @@ def worker(method: str, dim: int, layers: int, out: str) -> None:
         model = Decoder(256, dim, layers, 8, seq)
         opt = AccoOptimizer(model.parameters(), torch.optim.AdamW, microbatches_per_update=m, lr=1e-4)
     else:
-        with torch.device("meta"):
-            model = Decoder(256, dim, layers, 8, seq)
         shard_mesh = mesh if method == "hsdp-adamw" else mesh["shard"]  # HSDP: FSDP2 reduces across hosts too
-        for layer in model.layers:
-            fully_shard(layer, mesh=shard_mesh)
-        fully_shard(model, mesh=shard_mesh)
-        model.to_empty(device="cpu")
-        with torch.no_grad():
-            for mod in model.modules():
-                if hasattr(mod, "reset_parameters"):
-                    mod.reset_parameters()
+        model = sharded_on_meta(lambda: Decoder(256, dim, layers, 8, seq), shard_mesh)
         if method == "hsdp-adamw":
             opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         else:

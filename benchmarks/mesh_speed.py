@@ -43,29 +43,19 @@ def worker(args) -> None:
     import torch.distributed as dist
     import torch.nn.functional as F
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     sys.path.insert(0, str(ROOT / "src"))
     sys.path.insert(0, str(ROOT / "examples" / "mesh"))
-    from train import Decoder  # examples/mesh/train.py
+    from train import Decoder, sharded_on_meta  # examples/mesh/train.py
 
     from acco import AccoOptimizer
 
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "shard"))
     torch.manual_seed(0)
-    with torch.device("meta"):
-        model = Decoder(256, args.dim, args.layers, 4, args.seq_len)
     hsdp = args.worker == "hsdp-adamw"
-    shard_mesh = mesh if hsdp else mesh["shard"]
-    for layer in model.layers:
-        fully_shard(layer, mesh=shard_mesh)
-    fully_shard(model, mesh=shard_mesh)
-    model.to_empty(device="cpu")
-    with torch.no_grad():
-        for mod in model.modules():
-            if hasattr(mod, "reset_parameters"):
-                mod.reset_parameters()
+    model = sharded_on_meta(lambda: Decoder(256, args.dim, args.layers, 4, args.seq_len),
+                            mesh if hsdp else mesh["shard"])  # HSDP: FSDP2 on the 2-D mesh
     m = args.microbatches
     opt = (torch.optim.AdamW(model.parameters(), lr=1e-4) if hsdp else
            AccoOptimizer(model.parameters(), torch.optim.AdamW, microbatches_per_update=m, process_group=mesh["dp"],

@@ -106,6 +106,24 @@ def parallelize(model: Decoder, mesh) -> None:
     fully_shard(model, mesh=mesh["shard"])
 
 
+def sharded_on_meta(make, mesh) -> Decoder:
+    """``make()``'s model built on the meta device, FSDP2 on ``mesh`` (each block, then the root), then
+    materialised and initialised: no rank ever holds the whole model (torchtitan's way; the benchmarks')."""
+    from torch.distributed.fsdp import fully_shard
+
+    with torch.device("meta"):
+        model = make()
+    for layer in model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    model.to_empty(device="cpu")
+    with torch.no_grad():
+        for mod in model.modules():
+            if hasattr(mod, "reset_parameters"):
+                mod.reset_parameters()
+    return model
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dp", type=int, default=2, help="hosts: ACCO's data-parallel dimension")
