@@ -49,7 +49,8 @@ def _step(self, *args, **kwargs):
             raise UserError(f"rank {os.environ.get('RANK')}: user code failed after step {AT}")
         if HOW == "signal":
             _slow.set()
-            print(f"READY rank {os.environ.get('RANK')}", flush=True)
+            sys.stdout.write(f"READY rank {os.environ.get('RANK')}\n")  # one write: not split from its newline
+            sys.stdout.flush()
     return out
 
 

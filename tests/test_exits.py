@@ -87,7 +87,9 @@ def _read_all(procs, lines: List[str], sig, to_launcher: bool, torchrun: bool, d
     def read(proc) -> None:
         for line in proc.stdout:
             lines.append(line)
-            if line.startswith("READY"):
+            # Every READY in the line: under torchrun both ranks write to one pipe, and two ranks' lines can
+            # land in one ("READY rank 0READY rank 1"); counting lines missed the second and never signalled.
+            for _ in range(line.count("READY")):
                 ready.release()
 
     readers = [threading.Thread(target=read, args=(p,), daemon=True) for p in procs]

@@ -265,6 +265,22 @@ def _refusal_worker(rank: int, world: int, case: str) -> str:
             model = MLP()
             fully_shard(model, mesh=mesh)  # FSDP2's own HSDP reduces across hosts already
             AccoOptimizer(model.parameters(), **kw)
+        elif case == "disagree":  # host 1 splits the layers the other way round
+            from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+            if mesh.get_local_rank("dp") == 1:
+                torch.manual_seed(0)
+                model = MLP()
+                parallelize_module(model, mesh["tp"], {"fc1": RowwiseParallel(), "fc2": ColwiseParallel()})
+            AccoOptimizer(model.parameters(), **kw)
+        elif case == "ddp":  # a DDP wrapper over the hosts on top of tensor parallelism: a second reduction
+            from torch.nn.parallel import DistributedDataParallel
+
+            ddp = DistributedDataParallel(model, process_group=mesh["dp"].get_group())
+            opt = AccoOptimizer(model.parameters(), microbatches_per_update=2, **kw)
+            x, y = _batch(mesh.get_local_rank("dp"), 0)
+            ((ddp(x) - y) ** 2).mean().backward()
+            opt.step()
         elif case == "replaced":  # as FSDP2's reset_sharded_param does after a load into the model
             opt = AccoOptimizer(model.parameters(), microbatches_per_update=2, **kw)
             model.fc1.weight._local_tensor = model.fc1.weight._local_tensor.clone()
@@ -284,12 +300,14 @@ def _refusal_worker(rank: int, world: int, case: str) -> str:
     ("checkpoint", "sharded_state_dict() with DTensor parameters is not supported: ranks of different model"),
     ("hsdp", "reduce twice what FSDP2 on a 2-D (HSDP) mesh"),
     ("replaced", "local shard was replaced after the optimizer was built"),
+    ("disagree", "the DeviceMesh and placements of DTensor parameters"),
+    ("ddp", "got mixed torch.Tensor and DTensor"),  # torch's own refusal, at DDP's construction
 ])
 def test_what_dtensor_parameters_do_not_support_yet_is_refused_on_every_rank(case, words):
     """Each refusal is raised at construction (or at the call) on every rank, naming what works."""
     for msg in run_ranks(_refusal_worker, 4, case):
         assert words in msg, msg
-        assert "mesh['dp']" in msg or "models-larger-than-one-device.md" in msg or case in ("replaced", "mixed"), msg
+        assert "mesh['dp']" in msg or "models-larger-than-one-device.md" in msg or case in ("replaced", "mixed", "disagree", "ddp"), msg
 
 
 # ---------------------------------------------------------------- checkpoints (acco.checkpoint, DCP)
