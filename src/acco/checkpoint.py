@@ -155,7 +155,7 @@ def save(path: str, optimizer: "AccoOptimizer", *, model: Optional[torch.nn.Modu
     sd: Dict[str, Any] = {"optim": {shard: optim} if shard else optim, "extra": dict(extra or {})}
     if model is not None:
         sd["model"] = model.state_dict()
-    sums = checksums(_plain_leaves(sd))  # verified by load()
+    sums = checksums(sd)  # verified by load()
     # Each rank's pieces (with DTensor parameters: its model shard's entries) are entries of its own; the rest
     # every rank holds alike (kept where they agree).
     own = {k: v for k, v in sums.items() if k.startswith((f"optim/{shard}/",) if shard else _PIECES)}
@@ -186,16 +186,6 @@ def _place(optimizer: "AccoOptimizer") -> tuple:
     same piece keys."""
     shards = optimizer._shards
     return shards.checkpoint_group(optimizer.process_group), shards.shard_name()
-
-
-def _plain_leaves(sd: Dict[str, Any]) -> Dict[str, Any]:
-    """``sd`` less the model's DTensor entries: DCP saves them sharded, a checksum of a local shard would be
-    checked against another shard's, and the trained ones are checked through the optimizer's pieces."""
-    from .mesh import is_dtensor
-
-    if "model" not in sd:
-        return sd
-    return {**sd, "model": {k: v for k, v in sd["model"].items() if not is_dtensor(v)}}
 
 
 def _no_optimizer_here(where: str, meta: Dict[str, Any], shard: Optional[str]) -> CheckpointError:
@@ -279,6 +269,9 @@ def load(path: str, optimizer: "AccoOptimizer", *, model: Optional[torch.nn.Modu
     def nest(optim: Any) -> Any:
         return {shard: optim} if shard else optim
 
+    def unnest(tree: Dict[str, Any]) -> Any:
+        return tree["optim"][shard] if shard else tree["optim"]
+
     def read(sd: Dict[str, Any]) -> None:
         try:
             dcp.load(sd, checkpoint_id=path, process_group=group, no_dist=no_dist)
@@ -302,7 +295,7 @@ def load(path: str, optimizer: "AccoOptimizer", *, model: Optional[torch.nn.Modu
     head = {"optim": nest({"meta": _meta_template(meta_keys)})}
     read(head)
     owners = optimizer._owners
-    info = decode_meta((head["optim"][shard] if shard else head["optim"])["meta"])
+    info = decode_meta(unnest(head)["meta"])
     check_compatible(owners.describe, info, False, owners.rank, owners.world_size)
     sd: Dict[str, Any] = {
         "optim": nest(_target(optimizer, meta, meta_keys, info, pre)),
@@ -325,9 +318,9 @@ def load(path: str, optimizer: "AccoOptimizer", *, model: Optional[torch.nn.Modu
         got = state_legacy.dcp_checksums(sd, owners.rank, owners.layout.shard_size, optimizer.process_group,
                                          optimizer.device)
     else:
-        got = checksums(_plain_leaves(sd))
+        got = checksums(sd)
     verify(got, expected, where, subset=True)
-    optim = sd["optim"][shard] if shard else sd["optim"]
+    optim = unnest(sd)
     check_loadable(owners, optim, allow_new_microbatches=allow_new_microbatches)  # before the model changes
     if model is not None:
         # The trained parameters load from themselves here; load_state_dict below writes them from the

@@ -16,6 +16,7 @@ import torch
 import torch.distributed as dist
 
 from .errors import CheckpointError
+from .mesh import is_dtensor
 
 __all__ = ["CheckpointError", "checksums", "replicated_only", "verify"]
 
@@ -48,7 +49,10 @@ def _leaves(tree: Dict[str, Any], prefix: str = ""):
         path = f"{prefix}{key}"
         if isinstance(value, dict):
             yield from _leaves(value, path + "/")
-        elif torch.is_tensor(value):
+        elif torch.is_tensor(value) and not is_dtensor(value):
+            # A DTensor (a model's sharded entry) is left out: DCP saves it sharded, and one rank's checksum of
+            # its local shard would be checked against another shard's (trained ones are checked as the
+            # optimizer's pieces).
             yield path, value
 
 

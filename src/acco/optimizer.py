@@ -41,7 +41,7 @@ from . import ddp as _ddp
 from . import hooks, mesh
 from .agreement import hyper_fingerprint
 from .buffers import FlatBuffers
-from .collectives import new_local_group, connect, group_rank, group_size, new_round_group, ring_algorithm
+from .collectives import connect, group_rank, group_size, new_local_group, new_round_group, ring_algorithm
 from .driver import RoundDriver
 from .introspection import Introspection
 from .placement import Layout
