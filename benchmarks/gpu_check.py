@@ -582,10 +582,11 @@ def verdict(results: Dict[str, Any], dry: bool) -> List[str]:
     only: the rest is not measured on CPU)."""
     failures = [f"section {name} raised {r['error']}" for name, r in results.items()
                 if isinstance(r, dict) and "error" in r]
-    t = results["tests"]
+    t = results.get("tests", {"error": "not run"})
     if "error" not in t and t["exit"] not in (0,) and not (dry and t["exit"] == 5):
         failures.append(f"tests/test_cuda.py exited {t['exit']}: {t['summary']}")
-    for how, r in results["exits"].items() if "error" not in results["exits"] else ():
+    x = results.get("exits", {"error": "not run"})
+    for how, r in x.items() if "error" not in x else ():
         if r["code"] != r["want"] or r["aborted"] or r["want"] is None:
             failures.append(f"a script ending by {how} exited {r['code']} (torch's AdamW: {r['want']}), "
                             f"{'with' if r['aborted'] else 'without'} a C++ abort: {r['tail']}")
@@ -595,12 +596,12 @@ def verdict(results: Dict[str, Any], dry: bool) -> List[str]:
             failures.append(f"DTensor parameters ({kind}) differ from plain ones by {r['max_abs_diff']:.3g} > 1e-5")
         if isinstance(r, dict) and "refused" in r and (kind == "tp" or TorchVersion(d["torch"]) >= (2, 13)):
             failures.append(f"DTensor parameters ({kind}) refused: {r['refused']}")
-    e = results["errors"]
+    e = results.get("errors", {"error": "not run"})
     if "error" not in e and e["same_step"] is False:
         failures.append(f"a device-found error surfaced at different steps on the ranks: {e['raised_at']}")
     if dry:
         return failures
-    s, tr = results["syncs"], results["trace"]
+    s, tr = results.get("syncs", {"error": "not run"}), results.get("trace", {"error": "not run"})
     if "error" in s or "error" in tr:
         return failures
     if s["sync_warnings_per_update"] > 0:
@@ -734,6 +735,8 @@ def render(results: Dict[str, Any], dry: bool, device: str, argv: Sequence[str])
         lines += ["", "**Dry run on CPU: no GPU was used. Nothing below is a GPU measurement; it shows that the "
                       "script runs end to end.**"]
     for key, title, body in _SECTIONS:
+        if key not in r:
+            continue  # left out by --only
         x = r[key]
         lines += ["", title(x) if callable(title) else title, ""]
         if "error" in x:
@@ -762,6 +765,8 @@ def main(argv: Sequence[str] = None) -> Dict[str, Any]:
     p.add_argument("--dry-run", action="store_true", help="run every section on the CPU with a tiny model")
     p.add_argument("--out", type=Path, default=None, help="report file (default: docs/gpu.md; none on a dry run)")
     p.add_argument("--repeats", type=int, default=None)
+    p.add_argument("--only", default=None, help="comma-separated sections to run (default: all), e.g. exits,dtensor: "
+                                                "a short check when little device time is left")
     p.add_argument("--exit-script", choices=EXIT_CASES, help=argparse.SUPPRESS)  # check_exits' child
     p.add_argument("--reference", action="store_true", help=argparse.SUPPRESS)  # the child uses torch's AdamW
     p.add_argument("--device", default=None, help=argparse.SUPPRESS)
@@ -783,17 +788,25 @@ def main(argv: Sequence[str] = None) -> Dict[str, Any]:
             port = sock.getsockname()[1]
         torch.distributed.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1,
                                              device_id=torch.device("cuda", torch.cuda.current_device()))
-    results["tests"] = section(check_tests)
-    results["trace"] = section(check_trace, width, layers, batch, device, dry)
-    results["overhead"] = section(check_overhead, width, layers, batch, device, args.repeats or (1 if dry else 5),
-                                  2 if dry else 20)
-    results["compile"] = section(check_compile, width, layers, batch, device, dry)
-    results["memory"] = section(check_memory, width, layers, batch, device)
-    results["syncs"] = section(check_syncs, width, layers, batch, device)
-    results["errors"] = section(check_error_step, device)
-    results["exits"] = section(check_exits, device)
-    results["gpt"] = section(check_gpt_overhead, device, dry, args.repeats or (1 if dry else 3))
-    results["dtensor"] = section(check_dtensor, device)
+    runs = {  # results key -> its check and arguments, in the report's order
+        "tests": (check_tests,),
+        "trace": (check_trace, width, layers, batch, device, dry),
+        "overhead": (check_overhead, width, layers, batch, device, args.repeats or (1 if dry else 5), 2 if dry else 20),
+        "compile": (check_compile, width, layers, batch, device, dry),
+        "memory": (check_memory, width, layers, batch, device),
+        "syncs": (check_syncs, width, layers, batch, device),
+        "errors": (check_error_step, device),
+        "exits": (check_exits, device),
+        "gpt": (check_gpt_overhead, device, dry, args.repeats or (1 if dry else 3)),
+        "dtensor": (check_dtensor, device),
+    }
+    only = [k for k in args.only.split(",") if k] if args.only else list(runs)
+    unknown = sorted(set(only) - set(runs))
+    if unknown:
+        p.error(f"--only got unknown sections {unknown}; choose from {','.join(runs)}")
+    for key in runs:
+        if key in only:
+            results[key] = section(*runs[key])
     results["failures"] = verdict(results, dry)
     block = render(results, dry, device, argv)
     out = args.out if args.out is not None else (None if dry else ROOT / "docs" / "gpu.md")
