@@ -259,6 +259,12 @@ cases = [
  ("M93 a piece's signature from is_shard() (FSDP2 over tensor parallelism's _StridedShard read as replicated)",
   "src/acco/mesh.py", "                        if not pl.is_replicate()))", "                        if pl.is_shard()))",
   "tests/test_mesh.py -k 'together and clipped'"),
+ ("M94 an estimate's snapshot restored before the all-gather has read the stepped master (theta sent, not Opt*)",
+  "src/acco/rounds.py",
+  "    if low:  # the estimate travels in estimate_dtype",
+  "    if snapshotted:\n        snapshot.restore(stepped, b.master)\n        snapshotted = False\n"
+  "    if low:  # the estimate travels in estimate_dtype",
+  "tests/test_functional.py -k oracle"),
  ("M43 the demo's speed-up column a constant", "examples/demo.py",
   "{r['vs_sync']:.2f}x | {r['vs_ddp']:.2f}x", "{1.39:.2f}x | {r['vs_ddp']:.2f}x", "tests/test_demo.py"),
  ("M44 the demo's hidden share from the library's own ACCO figure for every method", "examples/demo.py",

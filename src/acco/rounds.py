@@ -229,39 +229,95 @@ def run_round(ctx: RoundContext, spec: RoundSpec) -> RoundResult:
     no state yet, or keeps some on the CPU, the host decides instead (one sync
     per such round).
     """
-    b, kind, group, wrapped = ctx.buffers, spec.kind, ctx.group, ctx.wrapped
-    snapshot, nonfinite, max_grad_norm = ctx.snapshot, ctx.nonfinite, ctx.max_grad_norm
+    b, kind = ctx.buffers, spec.kind
+    pairs = _exchange_rows(ctx, spec)  # 1. every rank's [micro-batch count, hyper fingerprint, round id]
+    low = _reduce_gradients(ctx, spec)  # 2. this rank's slice of the averaged gradient, in b.grad
+    # 3. the averaged gradient's global norm: an all-reduce of a scalar (two with DTensor parameters)
+    norm = global_grad_norm(b.grad, ctx.group, ctx.model_group, ctx.norm_ranges)
+    ctx.wrapped.write_hyper(spec.hyperparams)
+    plan = _plan_step(ctx, kind)
+    decision = _decide(ctx, kind, pairs, norm, plan)  # 4. skip, raise, or undo on the device
+    if ctx.max_grad_norm is not None and not decision.skipped:
+        b.grad.mul_(clip_coefficient(norm, ctx.max_grad_norm).to(b.grad.dtype))
+    snapshotted = _step(ctx, kind, plan, decision)  # 5. the optimizers that step for real (on a snapshot: Opt*)
+    source = _new_slice(ctx, plan, decision, snapshotted)  # 6. this rank's new weights: theta, or theta~
+    _publish(ctx, plan, source, low, snapshotted)  # 7. all-gather them, then leave theta as Opt* found it
+    return RoundResult(kind, spec.local_microbatches, b.count, b.rank_counts, norm, decision.skipped, decision.report)
+
+
+@dataclass
+class _StepPlan:
+    """Which wrapped optimizers' step an estimate computes (``computed``, functional.py) and which step for
+    real (``stepped``); ``in_kernel``: a fused kernel skips a flagged commit by itself (``found_inf``)."""
+
+    computed: list
+    stepped: list
+    in_kernel: bool
+
+
+@dataclass
+class _Decision:
+    """What the checks decided: ``skipped`` (None: decided on the device), ``undo`` (a device flag: as if no
+    step), ``report`` (the CUDA path's host copy of the flags, :class:`RoundReport`)."""
+
+    skipped: Optional[bool]
+    undo: Optional[torch.Tensor]
+    report: Optional[torch.Tensor]
+
+
+def _exchange_rows(ctx: RoundContext, spec: RoundSpec) -> torch.Tensor:
+    """Phase 1. Collective on the round group (all-gather of one row per rank). Sets the micro-batch counts and,
+    on the CPU path, raises on every rank alike if the ranks handed off different rounds or hyper-parameters."""
+    b = ctx.buffers
     # fill_ passes each value as a kernel argument: no copy from host memory. (``b.row[i] = value`` would
     # copy a pageable CPU scalar into device memory: a blocking copy that waits for the hand-off's backward.)
     for i, value in enumerate((float(spec.local_microbatches), spec.hyper_fingerprint, float(spec.round_id))):
         b.row[i].fill_(value)
-    all_gather_flat(b.rows, b.row, group)  # every rank's [micro-batch count, hyper fingerprint, round id]
+    all_gather_flat(b.rows, b.row, ctx.group)  # every rank's [micro-batch count, hyper fingerprint, round id]
     pairs = b.rows.view(-1, 3)
     b.rank_counts.copy_(pairs[:, 0])
     torch.sum(b.rank_counts, dim=0, keepdim=True, out=b.count)
     if not ctx.device_checks:
-        _check_pairs_on_host(kind, pairs)
-    low = kind is RoundKind.ESTIMATE and b.low_slice is not None  # estimate_dtype: half the bytes, both ways
+        _check_pairs_on_host(spec.kind, pairs)
+    return pairs
+
+
+def _reduce_gradients(ctx: RoundContext, spec: RoundSpec) -> bool:
+    """Phase 2. Collective on the round group (reduce-scatter of the gradient sum): this rank's slice, divided by
+    the micro-batch count (or multiplied by ``grad_scale``), in ``b.grad``. Returns whether the round travels in
+    ``estimate_dtype`` (an estimate with a low-precision slice: half the bytes, both ways)."""
+    b = ctx.buffers
+    low = spec.kind is RoundKind.ESTIMATE and b.low_slice is not None
     landing = b.low_slice if low else b.grad_staging
     if landing is None:
-        reduce_scatter_flat(b.grad, b.comm, group, b.collectives)  # this rank's slice of the gradient sum
+        reduce_scatter_flat(b.grad, b.comm, ctx.group, b.collectives)  # this rank's slice of the gradient sum
     else:
-        reduce_scatter_flat(landing, b.comm_low if low else b.comm, group, b.collectives)
+        reduce_scatter_flat(landing, b.comm_low if low else b.comm, ctx.group, b.collectives)
         b.grad.copy_(landing)
     if spec.grad_scale is None:
         b.grad.div_(b.count)  # the mean over all micro-batches of all ranks
     else:
         b.grad.mul_(spec.grad_scale)
-    norm = global_grad_norm(b.grad, group, ctx.model_group, ctx.norm_ranges)  # an all-reduce of a scalar (two: a mesh)
+    return low
 
-    wrapped.write_hyper(spec.hyperparams)
-    # An estimate computes Opt* of Adam/AdamW/SGD straight into the all-gather's input (functional); the other
-    # wrapped optimizers (Muon, Adafactor, ...) take their real step on a snapshot, restored after the all-gather.
+
+def _plan_step(ctx: RoundContext, kind: RoundKind) -> _StepPlan:
+    """An estimate computes Opt* of Adam/AdamW/SGD straight into the all-gather's input (functional); the other
+    wrapped optimizers (Muon, Adafactor, ...) take their real step on a snapshot, restored after the all-gather."""
+    wrapped = ctx.wrapped
     computed = [part for part in wrapped.parts if kind is RoundKind.ESTIMATE and functional.supports(part.optimizer)]
     stepped = [part for part in wrapped.parts if part not in computed]
     in_kernel = (kind is RoundKind.COMMIT and ctx.device_checks
                  and all(skips_in_kernel(part.optimizer) for part in stepped))
+    return _StepPlan(computed, stepped, in_kernel)
 
+
+def _decide(ctx: RoundContext, kind: RoundKind, pairs: torch.Tensor, norm: torch.Tensor,
+            plan: _StepPlan) -> _Decision:
+    """Phase 4. A non-finite norm skips the step (``nonfinite="skip"``) or raises (``"raise"``), on every rank
+    alike. On the CUDA path (``device_checks``) every check of phase 1 and this one become device flags that undo
+    the step, copied to the host without blocking."""
+    b, snapshot, nonfinite, stepped = ctx.buffers, ctx.snapshot, ctx.nonfinite, plan.stepped
     report = None
     undo: Optional[torch.Tensor] = None  # device flag: as if no step (theta, the state and the estimate)
     if ctx.device_checks:
@@ -276,7 +332,7 @@ def run_round(ctx: RoundContext, spec: RoundSpec) -> RoundResult:
         # Every flag undoes the step on the device, under both policies: a non-finite gradient, and ranks that
         # handed off different rounds or hyper-parameters (their shards must not combine into weights). The
         # error itself is raised from the report, on every rank at the same hand-off (driver.read_reports).
-        if (not stepped or in_kernel
+        if (not stepped or plan.in_kernel
                 or (snapshot is not None and snapshot.restorable_on_device(stepped, b.master))):
             undo = flags.any()
         else:  # the first step (it creates state), or a step counter on the CPU: the host decides
@@ -288,10 +344,15 @@ def run_round(ctx: RoundContext, spec: RoundSpec) -> RoundResult:
         skipped = not bool(torch.isfinite(norm))  # a host sync, on the round's own thread
         if skipped and nonfinite == "raise":
             raise NonFiniteGradientError(nonfinite_message(kind.value, norm.item()))
-    if max_grad_norm is not None and not skipped:
-        b.grad.mul_(clip_coefficient(norm, max_grad_norm).to(b.grad.dtype))
+    return _Decision(skipped, undo, report)
 
-    # Opt* of the stepped optimizers: their real step on a snapshot, restored after the all-gather.
+
+def _step(ctx: RoundContext, kind: RoundKind, plan: _StepPlan, decision: _Decision) -> bool:
+    """Phase 5. The stepped optimizers' step on the master slice: for real on a commit, on a snapshot on an
+    estimate (Opt*, restored by :func:`_publish`), undone where a device flag is set. Returns whether the
+    snapshot holds theta to restore after the all-gather."""
+    b, snapshot, stepped, in_kernel = ctx.buffers, ctx.snapshot, plan.stepped, plan.in_kernel
+    skipped, undo = decision.skipped, decision.undo
     snapshotted = kind is RoundKind.ESTIMATE and bool(stepped) and not skipped
     restore = undo is not None and not in_kernel and bool(stepped)  # a fused kernel skips by itself
     if snapshotted or restore:
@@ -311,6 +372,14 @@ def run_round(ctx: RoundContext, spec: RoundSpec) -> RoundResult:
             snapshot.stepped = True  # the optimizers' state exists now, for every tensor that keeps one
     if restore:
         snapshot.restore_where(undo, stepped, b.master)  # a flag was raised: as if no step
+    return snapshotted
+
+
+def _new_slice(ctx: RoundContext, plan: _StepPlan, decision: _Decision, snapshotted: bool) -> torch.Tensor:
+    """Phase 6. The all-gather's input: on an estimate, Opt* (extrapolated by ``ctx.extrapolation``) of the
+    computed tensors and the stepped ones' snapshot step; on a commit, the master slice as it stands."""
+    b, snapshot, wrapped, computed = ctx.buffers, ctx.snapshot, ctx.wrapped, plan.computed
+    skipped, undo = decision.skipped, decision.undo
     around = wrapped.complement(computed)  # the chunk's ranges outside the computed tensors: stepped, padding
     if snapshotted and ctx.extrapolation != 1.0:  # the stepped tensors' Opt*, extrapolated (undone: theta stays)
         snapshot.extrapolate(b.master, around, ctx.extrapolation)
@@ -324,15 +393,21 @@ def run_round(ctx: RoundContext, spec: RoundSpec) -> RoundResult:
         functional.copy_ranges(source, b.master, around)
         if undo is not None:  # a flag was raised: the estimate is theta itself
             torch.where(undo, b.master.to(source.dtype), source, out=source)
-    else:
-        source = b.master if b.staging is None else b.staging.copy_(b.master)
+        return source
+    return b.master if b.staging is None else b.staging.copy_(b.master)
+
+
+def _publish(ctx: RoundContext, plan: _StepPlan, source: torch.Tensor, low: bool, snapshotted: bool) -> None:
+    """Phase 7. Collective on the round group (all-gather of every rank's new slice into the full weights), then,
+    for an estimate taken on a snapshot, theta and the state restored: only after the all-gather has read the
+    stepped master (``source`` may be the master itself)."""
+    b, snapshot, stepped, group = ctx.buffers, ctx.snapshot, plan.stepped, ctx.group
     if low:  # the estimate travels in estimate_dtype: theta~ is only where the next half's gradients are taken
         all_gather_flat(b.comm_low, b.low_slice.copy_(source), group, b.collectives)
     else:
         all_gather_flat(b.weights, source, group, b.collectives)  # every rank's new slice -> full weights
     if snapshotted:
         snapshot.restore(stepped, b.master)  # Opt*: leave theta and state untouched
-    return RoundResult(kind, spec.local_microbatches, b.count, b.rank_counts, norm, skipped, report)
 
 
 def report_outcome(result: RoundResult, nonfinite: str) -> Tuple[Optional[BaseException], bool]:
