@@ -137,6 +137,7 @@ def update_run(
     max_grad_norm: Optional[float] = None,
     estimate_microbatches: Optional[int] = None,
     estimate_extrapolation: float = 1.0,
+    delay_correction: float = 0.0,
 ):
     """One ``step()`` per update of ``m`` micro-batches per rank (``algorithm.md``, "Hand-offs in the user's loop").
 
@@ -151,7 +152,9 @@ def update_run(
     are added in it, in rank order (a ring's order for 2 ranks), and the
     estimate comes back cast to it. ``max_grad_norm``: each round's averaged gradient is clipped by its global
     norm. ``estimate_microbatches``: ``h``, when not the first half. ``estimate_extrapolation``: ``c``, the
-    estimate is ``theta + c * (Opt*(theta, g) - theta)`` (before the cast to ``estimate_dtype``). The average multiplies the ranks' sum by ``1/n_ranks`` (an estimate's by ``m/(h n_ranks)``), in
+    estimate is ``theta + c * (Opt*(theta, g) - theta)`` (before the cast to ``estimate_dtype``).
+    ``delay_correction``: ``c`` of mode dpu's error feedback, ``theta_{k+1} = theta_k - u_k - c (u_k - u_{k-1})``
+    with ``u`` the optimizer's steps, on every update that is not synchronous and follows one that was not. The average multiplies the ranks' sum by ``1/n_ranks`` (an estimate's by ``m/(h n_ranks)``), in
     the float the library uses, so that exact sums give the very same inputs to an optimizer that rounds
     (Muon orthogonalises in bf16).
 
@@ -167,6 +170,7 @@ def update_run(
     after_step: List[Tensors] = []
     committed: List[Tensors] = []
     h = estimate_microbatches or m // 2  # micro-batches before the estimate's hand-off
+    previous = None  # delay_correction: u_{k-1}, the last corrected update's own step
 
     def accumulate(accum: Tensors, count: int) -> None:
         for r in range(n_ranks):
@@ -212,7 +216,15 @@ def update_run(
             accumulate(accum, m)
             if mode == "dpu" and pending is not None:
                 model = [x.clone() for x in pending]
+            before = [x.detach().clone() for x in theta]
             _opt_step(opt, theta, clipped([a * (1.0 / n_ranks) for a in accum], max_grad_norm))
+            if mode == "dpu" and delay_correction and not synchronous:
+                steps = [b - x for b, x in zip(before, theta)]  # u_k
+                if previous is not None:
+                    with torch.no_grad():
+                        for x, u, v in zip(theta, steps, previous):
+                            x -= delay_correction * (u - v)
+                previous = steps
             pending = [x.detach().clone() for x in theta]
             if mode == "sync" or synchronous:
                 model, pending = pending, None

@@ -102,7 +102,7 @@ def test_cuda_round_stats_from_events():
 
 
 ONE_STEP_CONFIGS = [("acco", {}), ("dpu", {}), ("sync", {}), ("acco", {"estimate_extrapolation": 1.2}),
-                    ("acco", {"estimate_extrapolation": 1.2, "fused": True})]
+                    ("acco", {"estimate_extrapolation": 1.2, "fused": True}), ("dpu", {"delay_correction": 1.0, "fused": True})]
 
 
 @pytest.mark.parametrize("mode,options", ONE_STEP_CONFIGS,
@@ -110,7 +110,7 @@ ONE_STEP_CONFIGS = [("acco", {}), ("dpu", {}), ("sync", {}), ("acco", {"estimate
 def test_cuda_one_step_per_update_matches_oracle(mode, options):
     """The default loop (M backward passes, one step()) on the side stream, against the oracle; with the
     extrapolated estimate (AdamW's step taken with c * lr, its step count on the device), capturable and
-    fused."""
+    fused; mode dpu's error feedback with fused AdamW (undone from the snapshot, not by the kernel's own skip)."""
     from oracle import update_run
     from tinynet import grad_fn
 
@@ -131,7 +131,8 @@ def test_cuda_one_step_per_update_matches_oracle(mode, options):
     opt.finish()
     ref, _, ref_final = update_run(theta0, lambda ps: torch.optim.AdamW(ps, **KW), mode,
                                    lambda r, i, w: [g / m for g in grad_fn(r, i, w)], 1, updates, m,
-                                   estimate_extrapolation=options.get("estimate_extrapolation", 1.0))
+                                   estimate_extrapolation=options.get("estimate_extrapolation", 1.0),
+                                   delay_correction=options.get("delay_correction", 0.0))
     assert max(rel_err(a, flat_list(b)) for a, b in zip(traj, ref)) < 1e-5
     assert rel_err(flat(model).cpu(), flat_list(ref_final)) < 1e-5
 

@@ -76,6 +76,9 @@ CASES = [
     ("estimate_extrapolation out of range", lambda: (make_model().parameters(),), {"estimate_extrapolation": 2.5}, ValueError, "estimate_extrapolation must be a number in \\(0, 2\\], got 2.5: 1.0 is the paper's estimate"),
     ("estimate_extrapolation not a number", lambda: (make_model().parameters(),), {"estimate_extrapolation": "1.2"}, ValueError, "estimate_extrapolation must be a number in \\(0, 2\\], got '1.2'"),
     ("estimate_extrapolation in mode dpu", lambda: (make_model().parameters(),), {"mode": "dpu", "estimate_extrapolation": 1.2}, ValueError, "estimate_extrapolation=1.2 applies to mode='acco' only"),
+    ("delay_correction in mode acco", lambda: (make_model().parameters(),), {"delay_correction": 1.0}, ValueError, "delay_correction=1.0 applies to mode='dpu' only.*mode='acco'.*estimate_extrapolation"),
+    ("delay_correction out of range", lambda: (make_model().parameters(),), {"mode": "dpu", "delay_correction": -1}, ValueError, "delay_correction must be a number in \\[0, 2\\], got -1"),
+    ("delay_correction while accumulating", lambda: (make_model().parameters(),), {"mode": "dpu", "accumulate_while_communicating": True, "delay_correction": 1.0}, ValueError, "delay_correction=1.0 needs one step\\(\\) per update"),
     ("estimate_microbatches in mode sync", lambda: (make_model().parameters(),), {"mode": "sync", "estimate_microbatches": 1}, ValueError, "applies to mode='acco' only"),
     ("estimate_microbatches while accumulating", lambda: (make_model().parameters(),), {"accumulate_while_communicating": True, "estimate_microbatches": 1}, ValueError, "estimate_microbatches=1 applies to one step\\(\\) per update"),
     ("estimate_microbatches not below the update's", lambda: (make_model().parameters(),), {"microbatches_per_update": 4, "estimate_microbatches": 4}, ValueError, "estimate_microbatches=4 with 4 micro-batches per update.*at least one after it.*below 4"),
@@ -161,9 +164,10 @@ RANK_MISMATCHES = [
     ("timeout", {"timeout": datetime.timedelta(seconds=30)}, "timeout"),  # would build a group on one rank only
     ("estimate_microbatches", {"estimate_microbatches": 3}, "estimate_microbatches"),  # hand-offs out of step
     ("estimate_extrapolation", {"estimate_extrapolation": 1.2}, "estimate_extrapolation"),  # estimates differ
+    ("delay_correction", {"delay_correction": 1.0}, "delay_correction"),  # updates differ
 ]
 BOTH_RANKS = {"estimate_microbatches": dict(mode="acco", microbatches_per_update=4),
-              "estimate_extrapolation": dict(mode="acco")}  # what the case needs
+              "estimate_extrapolation": dict(mode="acco"), "delay_correction": dict(mode="dpu")}  # what the case needs
 
 
 def _mismatch_worker(rank: int, world: int) -> dict:

@@ -90,6 +90,10 @@ CONFIGS += [
     ("adamw/acco/m4-estimate-after-3", "adamw", "acco", 4, 0, 0),
     # estimate_extrapolation=1.2: Muon's estimate extrapolated from its step on the snapshot, AdamW's computed
     ("muon_split/acco/extrapolate", "muon_split", "acco", 2, 0, 0),
+    # delay_correction=1.0 (mode dpu's error feedback): Muon's whole tensors and AdamW's slices
+    ("muon_split/dpu/delay-correction", "muon_split", "dpu", 2, 0, 0),
+    # and fused AdamW, whose kernel would skip a flagged step by itself: the snapshot undoes step and feedback
+    ("adamw_fused/dpu/delay-correction", "adamw_fused", "dpu", 2, 0, 0),
 ]
 AUTO_WORLDS = (1, 2)  # compared with the oracle's bf16 sum where the ranks' bf16 sum has one order
 
@@ -97,6 +101,7 @@ AUTO_WORLDS = (1, 2)  # compared with the oracle's bf16 sum where the ranks' bf1
 def _estimate_option(name: str) -> dict:
     later = {"estimate_microbatches": 3} if name.endswith("estimate-after-3") else {}
     later.update({"estimate_extrapolation": 1.2} if name.endswith("extrapolate") else {})
+    later.update({"delay_correction": 1.0} if name.endswith("delay-correction") else {})
     return {**later} if name.endswith("estimate-auto") else {"estimate_dtype": None, **later}
 ELASTIC_STEPS = 6
 
@@ -152,7 +157,7 @@ def _train(name, opt_name, mode, m, model_device, current_device, rank):
         side_devices=[s.device for s in fake.side_streams], destroyed_after_end=destroyed_after_end,
         uses_streams=opt.scheduler.uses_streams, rounds=opt.num_rounds, stats=stats, round_threads=threads,
         estimate_dtype=opt.estimate_dtype, estimate_microbatches=opt.estimate_microbatches,
-        estimate_extrapolation=opt.estimate_extrapolation,
+        estimate_extrapolation=opt.estimate_extrapolation, delay_correction=opt.delay_correction,
     )
 
 
@@ -203,7 +208,8 @@ def test_cuda_path_matches_oracle_with_no_race(world, name):
             ref_steps, ref_committed, ref_final = update_run(r["theta0"], make_opt, mode, scaled,
                                                              world, UPDATES, m, estimate_dtype=r["estimate_dtype"],
                                                              estimate_microbatches=r["estimate_microbatches"],
-                                                             estimate_extrapolation=r["estimate_extrapolation"])
+                                                             estimate_extrapolation=r["estimate_extrapolation"],
+                                                             delay_correction=r["delay_correction"])
         assert max(rel_err(a, flat_list(b)) for a, b in zip(r["traj"], ref_steps)) < tol, f"rank {rank}"
         if m is not None:
             assert rel_err(r["committed"], flat_list(ref_committed[-1])) < tol, f"rank {rank}"
@@ -415,9 +421,9 @@ def test_finish_waits_on_the_host_for_the_last_round():
     assert fake.races == []
 
 
-def _fused_skip_run(path: str, in_kernel: bool = True):
-    """One process, fused AdamW in mode acco, an inf loss in update 2 (skipped); returns the final weights,
-    the skip count and memory_report()."""
+def _fused_skip_run(path: str, in_kernel: bool = True, **options):
+    """One process, fused AdamW in mode acco (or ``options``), an inf loss in update 2 (skipped); returns the
+    final weights, the skip count and memory_report()."""
     import acco.rounds
 
     fake = FakeCuda() if path == "stream" else None
@@ -430,7 +436,7 @@ def _fused_skip_run(path: str, in_kernel: bool = True):
         with fake if fake is not None else contextlib.nullcontext():
             model = make_model()
             opt = AccoOptimizer(model.parameters(), torch.optim.AdamW, microbatches_per_update=2, lr=1e-2,
-                                fused=True)
+                                fused=True, **options)
             for t in range(5):
                 for j in range(2):
                     loss = loss_fn(model, 0, 2 * t + j) / 2
@@ -458,6 +464,18 @@ def test_fused_adamw_skips_in_its_kernel_without_a_snapshot():
     assert stream["report"]["estimate_scratch"] == 0
     assert snap["report"]["estimate_scratch"] >= 3 * stream["report"]["master"]  # master, exp_avg, exp_avg_sq, steps
     assert stream["races"] == [] and snap["races"] == []
+
+
+def test_a_skipped_step_takes_its_delay_correction_with_it():
+    """Mode dpu with delay_correction: a non-finite commit flagged on the device is undone with its error feedback
+    (from the snapshot: the fused kernel's own skip would leave the feedback applied), giving the CPU path's run,
+    where the host skips both."""
+    options = dict(mode="dpu", delay_correction=1.0)
+    stream, cpu = _fused_skip_run("stream", **options), _fused_skip_run("cpu", **options)
+    assert stream["skipped"] == cpu["skipped"] == 1
+    assert rel_err(stream["final"], cpu["final"]) < 1e-12, rel_err(stream["final"], cpu["final"])
+    assert stream["report"]["estimate_scratch"] > 0  # the snapshot, and the copy of the slice the feedback takes
+    assert stream["races"] == []
 
 
 def test_record_stream_leaves_host_tensors_alone():

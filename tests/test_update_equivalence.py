@@ -51,6 +51,10 @@ CONFIGS += [
     ("adamw/acco/m2-extrapolate", "adamw", "acco", 2, True, True, {"estimate_extrapolation": 1.2}),
     ("sgd_momentum/acco/m4-extrapolate-bf16", "sgd_momentum", "acco", 4, True, False,
      {"estimate_extrapolation": 1.5, "estimate_dtype": torch.bfloat16}),
+    # mode dpu's error feedback (beyond the paper, Zmushko et al. 2026): with a schedule, and after a warm-up
+    ("adamw/dpu/m2-delay-correction", "adamw", "dpu", 2, True, True, {"delay_correction": 1.0}),
+    ("sgd_momentum/dpu/m2-sync2-delay-correction", "sgd_momentum", "dpu", 2, True, False,
+     {"synchronous_updates": 2, "delay_correction": 0.5}),
 ]
 # The other configurations name the paper's exact estimate (estimate_dtype=None), which the oracle computes.
 BF16_ESTIMATE_WORLDS = (2,)
@@ -92,7 +96,7 @@ def _worker(rank: int, world: int) -> dict:
             theta0, lambda ps: cls(ps, **kw), mode, scaled, world, UPDATES, m, learned=not given and mode == "acco",
             lr_at=_lr if schedule else None, synchronous_updates=options.get("synchronous_updates", 0),
             estimate_dtype=opt.estimate_dtype, estimate_microbatches=options.get("estimate_microbatches"),
-            estimate_extrapolation=opt.estimate_extrapolation)
+            estimate_extrapolation=opt.estimate_extrapolation, delay_correction=opt.delay_correction)
         out[name] = {
             "step_err": max(rel_err(a, flat_list(b)) for a, b in zip(traj, ref_steps)),
             "committed_err": max(rel_err(a, flat_list(b)) for a, b in zip(committed, ref_committed)),

@@ -40,6 +40,8 @@ METHODS: Dict[str, Tuple[str, List[str], List[str]]] = {
     "ddp": ("train_ddp.py", [], []),
     "acco": ("train_acco.py", [], [GAP, EXACT]),
     "dpu": ("train_acco.py", ["--mode=dpu"], [GAP]),
+    # mode dpu with its error feedback at the setting of Zmushko et al. (2026): delay_correction=1.0
+    "dpu-ef": ("train_acco.py", ["--mode=dpu"], [GAP, "--acco-option=delay_correction=1.0"]),
     "sync": ("train_acco.py", ["--mode=sync"], []),
     "acco-sync20": ("train_acco.py", [], [GAP, EXACT, "--acco-option=synchronous_updates=20"]),
 }
@@ -53,7 +55,7 @@ NEAR_BEST = 0.05  # DDP is "near its best" at an LR where every seed ends within
 STABLE_AFTER, STABLE_RISE = 50, 0.01  # "stable": after update 50 no held-out evaluation rises by more than 1%
 CLOSE = 0.01  # "within 1% of DDP"
 # Run after every seed of the others: DPU, the uncompensated reference (not a candidate for the default).
-LATE = ("dpu",)
+LATE = ("dpu", "dpu-ef")
 # The remedies run at --remedy-lrs only: where ACCO trails DDP (DDP's best LRs), not where it is ahead.
 REMEDIES = ("acco-sync20",)
 
@@ -78,7 +80,7 @@ def plan(args: argparse.Namespace) -> List[Tuple[str, float, int]]:
     candidate there (the question's answer and the remedies' test); the first seed everywhere; the other seeds;
     last ``LATE``: the uncompensated reference (DPU)."""
     runs = [(m, lr, seed) for seed in args.seeds for m in args.methods for lr in args.lrs
-            if (m != "dpu" or seed in args.dpu_seeds) and (m not in REMEDIES or lr in args.remedy_lrs)]
+            if (m not in LATE or seed in args.dpu_seeds) and (m not in REMEDIES or lr in args.remedy_lrs)]
     first = args.seeds[0]
     focus = focus_lr(args)  # DDP's best LR on the first seed: its other seeds come first, the question's answer
     late = {m: i + 1 for i, m in enumerate(LATE)}
@@ -360,7 +362,8 @@ def plot(records: List[dict], s: dict, out_dir: Path, prefix: str = "convergence
     import matplotlib.pyplot as plt  # noqa: PLC0415
 
     t = table_of(records)
-    colors = {"ddp": "black", "acco": "tab:blue", "dpu": "tab:red", "sync": "tab:gray", "acco-sync20": "tab:green"}
+    colors = {"ddp": "black", "acco": "tab:blue", "dpu": "tab:red", "sync": "tab:gray", "acco-sync20": "tab:green",
+              "dpu-ef": "tab:purple"}
     fig, ax = plt.subplots(figsize=(6, 4))
     for m, by_lr in t.items():
         lrs = sorted(by_lr)

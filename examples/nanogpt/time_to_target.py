@@ -67,6 +67,10 @@ METHODS: Dict[str, Tuple[str, List[str], List[str]]] = {
     # plain ZeRO-1 (mode sync: reduce-scatter, step, all-gather, nothing overlapped): what an update of a
     # synchronous prefix costs on the testbed (benchmarks/time_to_target.py speed; docs/benchmarks.md §9d)
     "sync": ("train_acco.py", ["--mode=sync"], []),
+    # mode dpu (the one-step-stale gradient, no estimate round), and with its error feedback (delay_correction=1.0,
+    # the setting of Zmushko et al. 2026)
+    "dpu": ("train_acco.py", ["--mode=dpu"], []),
+    "dpu-ef": ("train_acco.py", ["--mode=dpu"], ["--acco-option=delay_correction=1.0"]),
 }
 # The branch lengths searched, as multiples of DDP's length, from 1 up (or down to 11/12) until two bracket DDP's
 # loss. A trunk first runs to the start of the longest of TRUNK_RATIOS' branches; the longer lengths, for a method
@@ -339,7 +343,8 @@ LABELS = {"ddp": "DDP + AdamW", "acco": "ACCO", "acco-bf16": "ACCO, bf16 estimat
           "acco-bf16-h3": "ACCO, bf16 estimate after 3 of 4",
           "acco-bf16-blend50": "ACCO, bf16 estimate blended with the momentum (w = 0.5, study only)",
           "acco-bf16-extrap120": "ACCO, bf16 estimate, estimate_extrapolation=1.2",
-          "sync": "ZeRO-1 (mode sync)"}
+          "sync": "ZeRO-1 (mode sync)", "dpu": "DPU (mode dpu, a one-step-stale gradient)",
+          "dpu-ef": "DPU with error feedback (delay_correction=1.0)"}
 
 
 def bounded(result: dict) -> Tuple[float, str]:
@@ -608,7 +613,8 @@ def plot(records: List[dict], args: argparse.Namespace, path: Path) -> None:
     rs = [r for r in records if r["config"] == config and r["warmup"] == args.warmups[0] and float(r["lr"]) == args.lr]
     fig, axes = plt.subplots(1, 2, figsize=(12, 4))
     colors = {"ddp": "black", "acco": "tab:blue", "acco-bf16": "tab:orange", "acco-bf16-h3": "tab:green",
-              "acco-bf16-blend50": "tab:red", "acco-bf16-extrap120": "tab:purple"}
+              "acco-bf16-blend50": "tab:red", "acco-bf16-extrap120": "tab:purple", "sync": "tab:gray",
+              "dpu": "tab:brown", "dpu-ef": "tab:pink"}
     for m in METHODS:
         ends: Dict[int, List[float]] = {}
         for r in rs:

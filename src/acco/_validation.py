@@ -241,6 +241,22 @@ def check_estimate_extrapolation(mode: str, c: Any) -> float:
     return float(c)
 
 
+def check_delay_correction(mode: str, accumulate_while_communicating: bool, c: Any) -> float:
+    """``delay_correction``: the error feedback's ``c`` on mode dpu's delayed updates (0: none). Returns a float."""
+    if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or not 0 <= c <= 2:
+        raise ValueError(f"delay_correction must be a number in [0, 2], got {c!r}: 0 is none, 1.0 the setting of "
+                         "Zmushko et al. (docs/algorithm.md)")
+    if c != 0 and mode != "dpu":
+        raise ValueError(
+            f"delay_correction={c} applies to mode='dpu' only (a step taken from a one-step-stale gradient), got "
+            f"mode={mode!r}: mode acco takes no stale gradient (its estimate predicts theta instead; "
+            "estimate_extrapolation tunes it), mode sync none at all. Drop it, or pass mode='dpu'")
+    if c != 0 and accumulate_while_communicating:
+        raise ValueError(f"delay_correction={c} needs one step() per update: got accumulate_while_communicating=True "
+                         "(each rank's rounds then end at points of its own). Drop one of the two")
+    return float(c)
+
+
 def check_estimate_within(h: int, m: int) -> None:
     """The estimate's hand-off must leave at least one micro-batch of the update after it (``m`` given or learned)."""
     if h >= m:

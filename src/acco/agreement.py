@@ -63,6 +63,7 @@ def fingerprints(opt: Any) -> List[Tuple[str, Any]]:
         ("synchronous_updates", opt.synchronous_updates),
         ("estimate_microbatches", opt.estimate_microbatches),
         ("estimate_extrapolation", opt.estimate_extrapolation),
+        ("delay_correction", opt.delay_correction),
         ("max_grad_norm", opt.max_grad_norm),
         ("nonfinite", opt.nonfinite),
         ("timeout", str(opt.timeout)),  # with one, every rank builds the control group (a collective)

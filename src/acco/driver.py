@@ -56,7 +56,8 @@ class RoundDriver:
         # CUDA path: rounds decided on the device whose reports the host has not read yet (oldest first), as
         # (round number, end event, result).
         self._unread: "deque[Tuple[int, Any, RoundResult]]" = deque()
-        self._round_tensors = flat.round_tensors()
+        # and delay_correction's copy of the slice: allocated on the default stream, written by the side stream
+        self._round_tensors = flat.round_tensors() + [t for t in (ctx.delay_scratch,) if t is not None]
 
     def check_not_failed(self) -> None:
         if self.failed is not None:
@@ -64,8 +65,10 @@ class RoundDriver:
 
     # ------------------------------------------------------------ hand-off
 
-    def handoff(self, kind: RoundKind, local_microbatches: int, grad_scale: Optional[float]) -> None:
-        """Start round ``kind`` on the gradients accumulated so far, with ``progress.update_hyper``."""
+    def handoff(self, kind: RoundKind, local_microbatches: int, grad_scale: Optional[float],
+                delay_correction: float = 0.0) -> None:
+        """Start round ``kind`` on the gradients accumulated so far, with ``progress.update_hyper``
+        (``delay_correction``: the error feedback's ``c`` for this commit, 0 for none)."""
         self.collect()
         # Round k's hand-off first reads round k-2's report: every rank raises a device-found error at the same
         # hand-off, before issuing round k, so no rank is left in a collective its peers never issue.
@@ -76,6 +79,7 @@ class RoundDriver:
         spec = RoundSpec(
             kind, local_microbatches, grad_scale, hyper, hyper_fingerprint(hyper),
             2 * self.progress.num_rounds + int(kind is RoundKind.ESTIMATE),  # the same on every rank, or all raise
+            delay_correction,
         )
         self.progress.num_rounds += 1
         if kind is RoundKind.COMMIT:

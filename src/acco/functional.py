@@ -120,6 +120,31 @@ def estimate_into(
                     _sgd(*columns[:3], columns[3] if stateful else None, group, extrapolation)
 
 
+DELAY_KEY = "acco_previous_update"  # the state entry delay_correction keeps per tensor: the last step taken
+
+
+@torch.no_grad()
+def correct_delay(optimizer: torch.optim.Optimizer, pieces: Sequence[torch.Tensor], before: torch.Tensor,
+                  master: torch.Tensor, c: float) -> None:
+    """Error feedback for a one-step-stale gradient (``delay_correction``, mode dpu; ``docs/algorithm.md``):
+    with ``u_k = before - theta`` the step the optimizer has just taken on ``pieces`` (views of ``master``;
+    ``before``: a copy of ``master`` taken before that step), ``theta -= c * (u_k - u_{k-1})`` where the state
+    records a previous step ``u_{k-1}``, and ``u_k`` is recorded in its place. ``before`` is overwritten."""
+    base, size = master.data_ptr(), master.element_size()
+    for p in pieces:
+        if p.numel() == 0:  # a parameter outside this rank's slice
+            continue
+        start = (p.data_ptr() - base) // size
+        u = before[start : start + p.numel()].view_as(p).sub_(p)  # u_k, in the scratch's memory
+        state = optimizer.state[p]
+        prev = state.get(DELAY_KEY)
+        if prev is None:  # the first corrected update: a plain step (nothing to feed back yet)
+            state[DELAY_KEY] = u.clone()
+            continue
+        p.add_(prev, alpha=c).sub_(u, alpha=c)  # theta_{k+1} = theta_k - u_k - c (u_k - u_{k-1})
+        prev.copy_(u)
+
+
 def copy_ranges(out: torch.Tensor, source: torch.Tensor, ranges: Sequence[Tuple[int, int]]) -> None:
     """``out[a:b] = source[a:b]`` for every range (one foreach copy): what an estimate leaves to the master."""
     ranges = [(a, b) for a, b in ranges if b > a]

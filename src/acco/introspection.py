@@ -116,7 +116,8 @@ class Introspection:
         backward writes when it is not the accumulation buffer itself: 0 in the
         default loop with equal dtypes), ``accum`` and ``comm`` are full-size;
         ``master``, ``master_grad``, ``staging``, ``optimizer_state`` and
-        ``estimate_scratch`` are this rank's 1/N slice. ``round_temporaries``:
+        ``estimate_scratch`` (with ``delay_correction``, its copy of the slice
+        too) are this rank's 1/N slice. ``round_temporaries``:
         the most the library's estimate allocates at once during a round (on
         CUDA on the side stream, held until the stream has run it): a bound, 0
         without a functional estimate; the wrapped optimizer's own step adds
@@ -128,4 +129,7 @@ class Introspection:
         master = self._flat.shard.master
         temporaries = max([functional.temporaries_bound(part.optimizer, master) for part in self._wrapped.parts
                            if self.mode == "acco" and functional.supports(part.optimizer)] or [0])
-        return self._flat.memory_report(state, [] if snapshot is None else snapshot.tensors(), temporaries)
+        scratch = [] if snapshot is None else snapshot.tensors()
+        if self._driver.ctx.delay_scratch is not None:
+            scratch.append(self._driver.ctx.delay_scratch)
+        return self._flat.memory_report(state, scratch, temporaries)

@@ -37,6 +37,7 @@ class LoopContext:
     mode: str
     world_size: int
     synchronous_updates: int
+    delay_correction: float  # mode dpu: c of the error feedback on each delayed update (0: none)
     estimate_microbatches: Optional[int]  # None: the first half, M // 2
     min_microbatches: int
     max_microbatches: Optional[int]
@@ -118,7 +119,8 @@ class UpdateLoop:
             synchronous = True  # a short update (fewer micro-batches than the estimate's): no estimate, no overlap
         if not p.estimate_in_update:
             p.update_hyper = c.hyperparams()
-        c.driver.handoff(RoundKind.COMMIT, m, 1.0 / c.world_size)
+        # The error feedback corrects a step taken from a stale gradient: not a synchronous update's.
+        c.driver.handoff(RoundKind.COMMIT, m, 1.0 / c.world_size, 0.0 if synchronous else c.delay_correction)
         p.mb_in_update = 0
         p.estimate_in_update = False
         c.after_handoff(RoundKind.COMMIT, synchronous)

@@ -159,12 +159,16 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         estimate_extrapolation: mode acco, beyond the paper: the estimate
             takes its step ``c`` times, ``theta~ = theta + c * (Opt*(theta, g)
             - theta)`` (``1.0``, the default: the paper's). The commit is
-            unchanged. ``1.2`` needed fewer updates to reach DDP's loss than
-            ``1.0`` on each of 3 seeds at 500 updates, and on 2 of 3 at 1,500
-            (1.008x DDP's updates against 1.055x; ``docs/convergence.md``,
-            time to target); free for Adam,
-            AdamW and SGD, one pass over the slice for other optimizers.
-            In ``(0, 2]``.
+            unchanged. Free for Adam, AdamW and SGD, one pass over the slice
+            for other optimizers. In ``(0, 2]``. What it does to the updates
+            needed to reach DDP's loss: ``docs/convergence.md``, time to target.
+        delay_correction: mode dpu, beyond the paper: error feedback against
+            the one-step-stale gradient (Zmushko et al., ICML 2026): each
+            delayed update's step ``u_k`` is followed by
+            ``theta -= c * (u_k - u_{k-1})``, any optimizer, no extra
+            communication, one slice of state (checkpointed) and one slice of
+            scratch (``docs/algorithm.md``). ``0.0``, the default: none; the
+            paper's setting is ``1.0``. In ``[0, 2]``.
         **optimizer_kwargs: passed to ``optimizer_class`` (``lr=...``).
 
     Evaluate or save the committed weights inside :meth:`committed_weights`.
@@ -199,6 +203,7 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         synchronous_updates: int = 0,
         estimate_microbatches: Optional[int] = None,
         estimate_extrapolation: float = 1.0,
+        delay_correction: float = 0.0,
         **optimizer_kwargs: Any,
     ) -> None:
         placement = V.check_placement_option(placement, assume_elementwise)
@@ -211,6 +216,7 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         V.check_estimate_microbatches(mode, microbatches_per_update, accumulate_while_communicating,
                                       estimate_microbatches)
         estimate_extrapolation = V.check_estimate_extrapolation(mode, estimate_extrapolation)
+        delay_correction = V.check_delay_correction(mode, accumulate_while_communicating, delay_correction)
         groups = V.normalize_param_groups(params)
         classes = [V.group_class(g, gi, optimizer_class) for gi, g in enumerate(groups)]
         groups = V.other_class_defaults(groups, classes, optimizer_class)
@@ -243,6 +249,7 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         self.synchronous_updates = synchronous_updates
         self.estimate_microbatches = estimate_microbatches
         self.estimate_extrapolation = estimate_extrapolation
+        self.delay_correction = delay_correction
         self.timeout = timeout
         self._group = V.resolve_process_group(process_group)
         self.world_size = group_size(self._group)
@@ -311,6 +318,7 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
             OptimizerSnapshot() if mode == "acco" or self.scheduler.uses_streams else None,
             max_grad_norm, nonfinite, device_checks=self.scheduler.uses_streams, extrapolation=estimate_extrapolation,
             model_group=model_group, norm_ranges=mesh.counted_ranges(counts, self.layout.pieces(self.rank)),
+            delay_scratch=torch.empty_like(self._flat.shard.master) if delay_correction else None,
         )
         self._driver = RoundDriver(ctx, self.scheduler, self._progress, self._flat, self.rank, self.world_size)
         self._finished = False
@@ -329,7 +337,7 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         )
         loop = LoopContext(
             mode=mode, world_size=self.world_size, synchronous_updates=synchronous_updates,
-            estimate_microbatches=estimate_microbatches,
+            delay_correction=delay_correction, estimate_microbatches=estimate_microbatches,
             min_microbatches=min_microbatches, max_microbatches=max_microbatches, progress=self._progress,
             driver=self._driver, flat=self._flat, round_done=self.scheduler.done, check_open=hooks.weakly(self._check_open),
             hyperparams=hooks.weakly(self._hyperparams), clip_hint=hooks.weakly(self._clip_hint),

@@ -134,6 +134,8 @@ class RoundContext:
     # (mesh.counted_ranges; None: all of it).
     model_group: Optional[dist.ProcessGroup] = None
     norm_ranges: Optional[List[Tuple[int, int]]] = None
+    # delay_correction (mode dpu): a copy of the master slice taken before a corrected commit's step
+    delay_scratch: Optional[torch.Tensor] = None
 
 
 @dataclass
@@ -146,6 +148,7 @@ class RoundSpec:
     hyperparams: List[Dict[str, Any]]  # one dict per group, taken at hand-off
     hyper_fingerprint: float = 0.0  # of ``hyperparams``: all ranks must agree
     round_id: int = 0  # 2 * rounds handed off + (1 if estimate): all ranks must agree
+    delay_correction: float = 0.0  # c of the error feedback on this commit's step (mode dpu, a delayed update)
 
 
 @dataclass
@@ -214,6 +217,9 @@ def run_round(ctx: RoundContext, spec: RoundSpec) -> RoundResult:
     ``1/N``, DDP's average of the ranks' ``.grad``; an estimate's half is
     extrapolated to a whole update).
 
+    ``delay_correction`` ``c`` (a commit of mode dpu whose gradient is a step old): after the step, error
+    feedback, ``theta -= c * (u_k - u_{k-1})`` with ``u`` the optimizer's own steps (``functional.correct_delay``).
+
     ``hyper_fingerprint`` (of ``hyperparams``) travels with the micro-batch
     count: if the ranks' differ, every rank raises
     :class:`HyperParameterMismatchError` before any step.
@@ -235,7 +241,7 @@ def run_round(ctx: RoundContext, spec: RoundSpec) -> RoundResult:
     # 3. the averaged gradient's global norm: an all-reduce of a scalar (two with DTensor parameters)
     norm = global_grad_norm(b.grad, ctx.group, ctx.model_group, ctx.norm_ranges)
     ctx.wrapped.write_hyper(spec.hyperparams)
-    plan = _plan_step(ctx, kind)
+    plan = _plan_step(ctx, kind, spec.delay_correction)
     decision = _decide(ctx, kind, pairs, norm, plan)  # 4. skip, raise, or undo on the device
     if ctx.max_grad_norm is not None and not decision.skipped:
         b.grad.mul_(clip_coefficient(norm, ctx.max_grad_norm).to(b.grad.dtype))
@@ -253,6 +259,7 @@ class _StepPlan:
     computed: list
     stepped: list
     in_kernel: bool
+    correction: float  # delay_correction's c: the step is followed by error feedback (0: none)
 
 
 @dataclass
@@ -301,7 +308,7 @@ def _reduce_gradients(ctx: RoundContext, spec: RoundSpec) -> bool:
     return low
 
 
-def _plan_step(ctx: RoundContext, kind: RoundKind) -> _StepPlan:
+def _plan_step(ctx: RoundContext, kind: RoundKind, delay_correction: float = 0.0) -> _StepPlan:
     """An estimate computes Opt* of Adam/AdamW/SGD straight into the all-gather's input (functional); the other
     wrapped optimizers (Muon, Adafactor, ...) take their real step on a snapshot, restored after the all-gather."""
     wrapped = ctx.wrapped
@@ -309,7 +316,10 @@ def _plan_step(ctx: RoundContext, kind: RoundKind) -> _StepPlan:
     stepped = [part for part in wrapped.parts if part not in computed]
     in_kernel = (kind is RoundKind.COMMIT and ctx.device_checks
                  and all(skips_in_kernel(part.optimizer) for part in stepped))
-    return _StepPlan(computed, stepped, in_kernel)
+    correction = delay_correction if kind is RoundKind.COMMIT else 0.0
+    # A fused kernel that skips a flagged step by itself would leave the error feedback applied: undo both from
+    # the snapshot instead.
+    return _StepPlan(computed, stepped, in_kernel and not correction, correction)
 
 
 def _decide(ctx: RoundContext, kind: RoundKind, pairs: torch.Tensor, norm: torch.Tensor,
@@ -349,8 +359,9 @@ def _decide(ctx: RoundContext, kind: RoundKind, pairs: torch.Tensor, norm: torch
 
 def _step(ctx: RoundContext, kind: RoundKind, plan: _StepPlan, decision: _Decision) -> bool:
     """Phase 5. The stepped optimizers' step on the master slice: for real on a commit, on a snapshot on an
-    estimate (Opt*, restored by :func:`_publish`), undone where a device flag is set. Returns whether the
-    snapshot holds theta to restore after the all-gather."""
+    estimate (Opt*, restored by :func:`_publish`), undone where a device flag is set; a corrected commit's step
+    followed by its error feedback (undone with it). Returns whether the snapshot holds theta to restore after
+    the all-gather."""
     b, snapshot, stepped, in_kernel = ctx.buffers, ctx.snapshot, plan.stepped, plan.in_kernel
     skipped, undo = decision.skipped, decision.undo
     snapshotted = kind is RoundKind.ESTIMATE and bool(stepped) and not skipped
@@ -362,12 +373,16 @@ def _step(ctx: RoundContext, kind: RoundKind, plan: _StepPlan, decision: _Decisi
         if undo is not None and in_kernel:
             for part in stepped:
                 part.optimizer.found_inf = undo.to(torch.float32)  # where set, the fused kernel takes no step at all
+        before = ctx.delay_scratch.copy_(b.master) if plan.correction else None  # theta_k, for u_k
         try:
             for part in stepped:
                 part.optimizer.step()
         finally:
             for part in stepped:
                 part.optimizer.__dict__.pop("found_inf", None)
+        if before is not None:
+            for part in stepped:
+                functional.correct_delay(part.optimizer, part.tensors, before, b.master, plan.correction)
         if snapshot is not None and not snapshotted:
             snapshot.stepped = True  # the optimizers' state exists now, for every tensor that keeps one
     if restore:
