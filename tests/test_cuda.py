@@ -102,7 +102,8 @@ def test_cuda_round_stats_from_events():
 
 
 ONE_STEP_CONFIGS = [("acco", {}), ("dpu", {}), ("sync", {}), ("acco", {"estimate_extrapolation": 1.2}),
-                    ("acco", {"estimate_extrapolation": 1.2, "fused": True}), ("dpu", {"delay_correction": 1.0, "fused": True})]
+                    ("acco", {"estimate_extrapolation": 1.2, "fused": True}),
+                    ("dpu", {"delay_correction": 1.0, "fused": True})]
 
 
 @pytest.mark.parametrize("mode,options", ONE_STEP_CONFIGS,
