@@ -36,11 +36,13 @@ def _train(model, opt, rank, world, start, stop, traj=None):
             traj.append(flat(model))
 
 
-def _save_worker(rank, world, mode, path, k1, k2):
+AWC = dict(accumulate_while_communicating=True, max_microbatches=1)
+
+
+def _save_worker(rank, world, mode, path, k1, k2, loop=AWC):
     """Train k1 micro-batches, checkpoint, then continue k2 more (the uninterrupted reference)."""
     model = make_model()
-    opt = AccoOptimizer(model.parameters(), mode=mode, accumulate_while_communicating=True, max_microbatches=1,
-                        estimate_dtype=None, **KW)  # EXACT: see test_resume_on_another_world_size_continues_identically
+    opt = AccoOptimizer(model.parameters(), mode=mode, **loop, estimate_dtype=None, **KW)  # EXACT: see test_resume_on_another_world_size_continues_identically
     _train(model, opt, rank, world, 0, k1)
     assert opt.at_update_boundary
     ckpt.save(path, opt, extra={"next_index": torch.tensor(k1)})
@@ -50,11 +52,10 @@ def _save_worker(rank, world, mode, path, k1, k2):
     return {"traj": torch.stack(traj), "final": flat(model)}
 
 
-def _load_worker(rank, world, mode, path, k2):
+def _load_worker(rank, world, mode, path, k2, loop=AWC):
     """Fresh model and optimizer (other init), load, continue k2 micro-batches."""
     model = make_model(seed=123)
-    opt = AccoOptimizer(model.parameters(), mode=mode, accumulate_while_communicating=True, max_microbatches=1,
-                        estimate_dtype=None, **KW)  # EXACT: see test_resume_on_another_world_size_continues_identically
+    opt = AccoOptimizer(model.parameters(), mode=mode, **loop, estimate_dtype=None, **KW)  # EXACT: see test_resume_on_another_world_size_continues_identically
     extra = ckpt.load(path, opt, extra={"next_index": torch.tensor(0)})
     start = int(extra["next_index"])
     traj = []
@@ -79,6 +80,17 @@ def test_resume_on_another_world_size_continues_identically(tmp_path, mode, save
         errs = [rel_err(a, b) for a, b in zip(res["traj"], ref["traj"])]
         assert len(errs) == k2 and max(errs) < 1e-6, errs
         assert rel_err(res["final"], ref["final"]) < 1e-6
+
+
+def test_delay_correction_resumes_on_another_world_size(tmp_path):
+    """Mode dpu with delay_correction, one step() per micro-batch: the previous update's step (u_{k-1}, kept in
+    the wrapped optimizer's state) is saved on 2 ranks and resharded onto 3, so the run continues as the one
+    that never stopped (without it, the first update after the load would be a plain step)."""
+    path, loop = str(tmp_path / "ckpt"), dict(microbatches_per_update=1, delay_correction=1.0)
+    ref = run_ranks(_save_worker, 2, "dpu", path, 4, 5, loop)[0]
+    for res in run_ranks(_load_worker, 3, "dpu", path, 5, loop):
+        errs = [rel_err(a, b) for a, b in zip(res["traj"], ref["traj"])]
+        assert len(errs) == 5 and max(errs) < 1e-6, errs
 
 
 def test_checkpoint_holds_only_tensors(tmp_path):
