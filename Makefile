@@ -9,7 +9,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: venv test demo study lr-study bench clean
+.PHONY: venv test test-all demo study lr-study bench clean
 
 $(VENV)/.ready: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -19,9 +19,15 @@ $(VENV)/.ready: pyproject.toml
 
 venv: $(VENV)/.ready
 
-## Run the test suite (CPU; multi-rank tests on gloo, each with a timeout).
+## The quick tier (CPU; multi-rank tests on gloo, each with a timeout): unit tests, the oracle equivalences at
+## 2 ranks, one run of each integration, one TP and one FSDP2 mesh, the README's block. Tests marked slow are left out.
 test: $(VENV)/.ready
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not slow"
+
+## Every test (what CI runs): the quick tier, plus launches of the examples, studies and benchmarks, two hosts on
+## network namespaces (as root), how processes end under signals, and equivalences at 1, 3 and 4 ranks.
+test-all: $(VENV)/.ready
+	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=15
 
 ## What ACCO buys (about 80 s on 2 cores): DDP, ZeRO-1 and ACCO on 2 CPU ranks over a simulated slow link,
 ## a table of tokens/s, communication hidden and held-out loss, a verdict, and runs/demo/loss_vs_time.png.

@@ -53,7 +53,7 @@ def _results(mode: str, max_mb, c: float = 1.0):
     return run_ranks(_accumulate_worker, 2, mode, max_mb, c)
 
 
-@pytest.mark.parametrize("mode", ["acco", "dpu"])
+@pytest.mark.parametrize("mode", ["acco", pytest.param("dpu", marks=pytest.mark.slow)])
 def test_fast_rank_accumulates_and_average_is_exact(mode):
     """Check that the fast rank hands off more micro-batches, bounded by max_microbatches, and the weighted mean is exact."""
     res = _results(mode, 3)

@@ -19,6 +19,8 @@ import pytest
 
 from _dist import run_command
 
+pytestmark = pytest.mark.slow  # make test-all only: every benchmark's smoke launch
+
 ROOT = Path(__file__).resolve().parents[1]
 BENCH = ROOT / "benchmarks"
 sys.path.insert(0, str(BENCH))

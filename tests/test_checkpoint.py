@@ -65,7 +65,8 @@ def _load_worker(rank, world, mode, path, k2, loop=AWC):
 
 
 @pytest.mark.parametrize(
-    "mode,saved_on,loaded_on", [("acco", 2, 3), ("acco", 3, 2), ("dpu", 2, 3), ("sync", 3, 2)]
+    "mode,saved_on,loaded_on", [("acco", 2, 3)] + [pytest.param(*c, marks=pytest.mark.slow)
+                                                   for c in [("acco", 3, 2), ("dpu", 2, 3), ("sync", 3, 2)]]
 )
 def test_resume_on_another_world_size_continues_identically(tmp_path, mode, saved_on, loaded_on):
     """Check that a checkpoint saved on N ranks, loaded on M, continues as the run that never stopped.
@@ -82,6 +83,7 @@ def test_resume_on_another_world_size_continues_identically(tmp_path, mode, save
         assert rel_err(res["final"], ref["final"]) < 1e-6
 
 
+@pytest.mark.slow
 def test_delay_correction_resumes_on_another_world_size(tmp_path):
     """Mode dpu with delay_correction, one step() per micro-batch: the previous update's step (u_{k-1}, kept in
     the wrapped optimizer's state) is saved on 2 ranks and resharded onto 3, so the run continues as the one
@@ -221,6 +223,7 @@ def _shrink_save_worker(rank, world, mode, path):
 
 
 @pytest.mark.parametrize("mode", ["acco"])
+@pytest.mark.slow
 def test_shrink_to_one_rank_with_twice_the_microbatches_continues_the_run(tmp_path, mode):
     """2 ranks x 2 micro-batches, checkpoint, then 1 rank x 4 micro-batches of the same blocks (the first half
     of an update is micro-batch 0 of both ranks, as on 2 ranks): the run ends where the 2-rank run ends."""

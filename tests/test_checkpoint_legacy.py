@@ -67,7 +67,7 @@ def test_format2_checkpoint_resumes_bit_identically():
             assert torch.equal(out["final"], expected["final"]), form
 
 
-@pytest.mark.parametrize("world", [1, 3])
+@pytest.mark.parametrize("world", [1, pytest.param(3, marks=pytest.mark.slow)])
 def test_format2_dcp_checkpoint_reshards(world):
     """Check the format-2 DCP folder loads on 1 and on 3 ranks and continues as the 2-rank run did (the data is
     each rank's share of a global batch, so the run does not depend on the number of ranks)."""

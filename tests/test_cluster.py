@@ -32,7 +32,8 @@ TRAIN = os.path.join(HERE, "..", "examples", "gpt", "train.py")
 WHY = H.unavailable()
 if WHY and os.environ.get("CI") == "true":
     raise RuntimeError(f"tests/test_cluster.py cannot run here ({WHY}); under CI=true it must")
-pytestmark = pytest.mark.skipif(WHY is not None, reason=WHY or "")
+pytestmark = [pytest.mark.skipif(WHY is not None, reason=WHY or ""),
+              pytest.mark.slow]  # make test-all only: two hosts on network namespaces
 
 
 def _args(mode: str, ckpt: str, out: str, steps: int = 40) -> list:

@@ -11,6 +11,8 @@ import pytest
 
 from _dist import run_command
 
+pytestmark = pytest.mark.slow  # make test-all only: the demo
+
 HERE = os.path.dirname(__file__)
 DEMO = os.path.join(HERE, "..", "examples", "demo.py")
 sys.path.insert(0, os.path.join(HERE, "..", "examples"))

@@ -349,6 +349,7 @@ def _ddp_worker(rank: int, world: int) -> dict:
     return out
 
 
+@pytest.mark.slow
 def test_ddp_double_communication_is_refused_or_switched_off_and_buffers_follow_rank_0():
     """Check DDP + AccoOptimizer is refused unless its all-reduce is off; then it equals DDP + AdamW, buffers included."""
     r0, r1 = run_ranks(_ddp_worker, 2)
@@ -365,6 +366,7 @@ def test_ddp_double_communication_is_refused_or_switched_off_and_buffers_follow_
     assert not torch.allclose(r0["without_buffers"], r1["without_buffers"])  # the test can fail
 
 
+@pytest.mark.slow
 def test_exit_without_finish_is_clean():
     """Check that a torchrun job that never calls finish() (a round in flight at exit) exits 0.
 

@@ -80,7 +80,7 @@ def _results(world: int):
     return run_ranks(_equivalence_worker, world)
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 @pytest.mark.parametrize("opt_name", sorted(OPTIMIZERS))
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("steps", STEPS)
@@ -94,7 +94,7 @@ def test_matches_oracle(world, opt_name, mode, steps):
         assert r["final_err"] < TOL, f"rank {rank}: {r}"
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_sync_equals_torch_adamw_on_allreduced_gradient(world):
     """Check that mode sync equals torch.optim.AdamW stepped on the all-reduced mean gradient."""
     for rank, res in enumerate(_results(world)):

@@ -235,6 +235,7 @@ def _foreign_group_worker(rank: int, world: int) -> str:
     return "no error"
 
 
+@pytest.mark.slow
 def test_a_process_group_without_this_rank_is_refused():
     """Check that a process_group this rank is not a member of gives a clear error (not 'world_size -1')."""
     member, other = run_ranks(_foreign_group_worker, 2, timeout=120)
@@ -253,6 +254,7 @@ def _failing_worker(rank: int, world: int) -> None:
     opt.finish()
 
 
+@pytest.mark.slow
 def test_a_failing_rank_fails_the_test_fast():
     """Check that the spawn helper reports a failing rank at once, not at the process-group timeout."""
     with pytest.raises(AssertionError, match="rank 1 failed"):
@@ -410,6 +412,7 @@ def _one_rank_only_worker(rank, world, flag):
     return out
 
 
+@pytest.mark.slow
 def test_a_collective_call_made_on_one_rank_only_says_so(tmp_path):
     from _dist import run_ranks
 
@@ -449,6 +452,7 @@ def _one_more_update_worker(rank: int, world: int) -> dict:
 CASES_AHEAD = [("acco", "finish"), ("dpu", "finish"), ("acco", "gather"), ("sync", "consolidated")]
 
 
+@pytest.mark.slow
 def test_a_rank_one_update_ahead_is_told_on_every_rank():
     """Check that a rank running one update more than its peers, then a collective call (finish(), a checkpoint,
     the consolidated state) on every rank, raises on every rank at once, saying the ranks ran different numbers

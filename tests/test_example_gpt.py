@@ -12,6 +12,8 @@ import pytest
 
 from _dist import run_command
 
+pytestmark = pytest.mark.slow  # make test-all only: the example's launches
+
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "examples" / "gpt" / "train.py"
 TINY = ["--d-model", "32", "--layers", "2", "--heads", "2", "--seq-len", "32", "--batch", "4",

@@ -8,6 +8,9 @@ import sys
 from pathlib import Path
 
 from _dist import run_command
+import pytest
+
+pytestmark = pytest.mark.slow  # make test-all only: the recipe's torchrun launches
 
 ROOT = Path(__file__).resolve().parents[1]
 TRAIN = ROOT / "examples" / "mesh" / "train.py"

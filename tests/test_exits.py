@@ -45,19 +45,23 @@ def _launch(*args: str, torchrun: bool = True, sig: Optional[int] = None, to_lau
     ranks, as when a peer failed or the job is preempted). A launch longer than ``limit`` s fails the test.
     """
     base = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    # Ctrl-C as a terminal sends it, even when this test runs in a background job (whose shell ignores SIGINT,
+    # and an ignored signal stays ignored in its children: Python would then install no KeyboardInterrupt)
+    default_sigint = dict(preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     script = [os.path.join(HERE, "ending.py"), *args]
     if torchrun:
         procs = [subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
              "--monitor-interval=2", *script],
-            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=base, start_new_session=True)]
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=base, start_new_session=True,
+            **default_sigint)]
     else:
         port, procs = str(_free_port()), []
         for rank in range(2):
             rank_env = {**base, "RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": "2",
                         "LOCAL_WORLD_SIZE": "2", "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port}
             procs.append(subprocess.Popen([sys.executable, *script], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                          text=True, env=rank_env))
+                                          text=True, env=rank_env, **default_sigint))
     lines: List[str] = []
     deadline = time.monotonic() + limit
     try:
@@ -135,6 +139,7 @@ def test_return_from_main_without_finish():
 
 
 @pytest.mark.parametrize("how,code", [("exit", 3), ("raise", 1), ("raise-between", 1)])
+@pytest.mark.slow
 def test_exit_and_exceptions_inside_a_function(how, code):
     """``sys.exit(3)``, and an exception from user code after a step (a round in flight) or between the
     micro-batches of an update, end every rank with 3 or 1 (Python's code for an uncaught exception)."""
@@ -145,6 +150,7 @@ def test_exit_and_exceptions_inside_a_function(how, code):
         assert out.count("UserError") >= 2, out[-3000:]  # the user's own traceback, not one of the library's
 
 
+@pytest.mark.slow
 def test_an_exception_under_torchrun():
     """The same exception under torchrun: torchrun fails with the user's error, no rank aborted, and each rank
     reports either its own code 1 or the SIGTERM torchrun sends the survivors of the first to fail."""
@@ -156,6 +162,7 @@ def test_an_exception_under_torchrun():
 
 @pytest.mark.parametrize("sig", [signal.SIGINT, signal.SIGTERM], ids=["SIGINT", "SIGTERM"])
 @pytest.mark.parametrize("torchrun", [False, True], ids=["direct", "torchrun"])
+@pytest.mark.slow
 def test_a_signal_in_the_middle_of_a_round(sig, torchrun):
     """Ctrl-C (SIGINT to every process of the job) or SIGTERM (from torchrun, as when a peer failed or the job is
     preempted; or from a scheduler to each rank) while a round is in flight: every rank ends by that signal,
@@ -174,6 +181,7 @@ def test_a_signal_in_the_middle_of_a_round(sig, torchrun):
         assert "RoundFailedError" not in out, out[-3000:]
 
 
+@pytest.mark.slow
 def test_a_signal_while_a_checkpoint_is_written(tmp_path):
     """SIGTERM to each rank while every update writes an acco.checkpoint: every rank ends by it, and
     ``acco.checkpoint.latest`` picks a complete checkpoint (never the one cut off), which loads."""
@@ -207,6 +215,7 @@ def _integration(name: str, tmp_path) -> List[str]:
 
 
 @pytest.mark.parametrize("name", list(INTEGRATIONS))
+@pytest.mark.slow
 def test_an_exception_inside_an_integration(name, tmp_path):
     """An exception from user code (a callback, a training step) while a round is in flight, under HF's Trainer,
     accelerate and Lightning: every rank exits 1, with the user's exception."""
@@ -224,6 +233,7 @@ MEANT = {("hf-trainer", signal.SIGINT): -signal.SIGINT, ("accelerate", signal.SI
 
 
 @pytest.mark.parametrize("name,sig", list(MEANT), ids=[f"{n}-{s.name}" for n, s in MEANT])
+@pytest.mark.slow
 def test_a_signal_inside_an_integration(name, sig, tmp_path):
     """Ctrl-C, or SIGTERM to each rank, while a round is in flight under an integration: every rank ends as the
     integration means it to (``MEANT``), without a C++ abort or a round error."""

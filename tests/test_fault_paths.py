@@ -82,7 +82,7 @@ def _worker(rank: int, world: int, case: str, stamp: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize("case", ["killed", "stalled", "exits", "raises"])
+@pytest.mark.parametrize("case", ["killed", *(pytest.param(c, marks=pytest.mark.slow) for c in ("stalled", "exits", "raises"))])
 def test_survivor_raises_soon_after_its_peer_is_gone(case, tmp_path):
     """Check the surviving rank raises RoundFailedError (naming the likely cause) long before the process
     group's timeout, and that finish() then raises at once."""

@@ -5,9 +5,12 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from _dist import run_command
+
+pytestmark = pytest.mark.slow  # make test-all only: a killed rank restarted by torchrun
 
 SCRIPT = Path(__file__).resolve().parent / "resume_script.py"
 

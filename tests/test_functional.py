@@ -159,6 +159,7 @@ def estimate_round_ops(n_tensors: int, c: float = 1.0, fused: bool = False) -> i
     return ops
 
 
+@pytest.mark.slow
 def test_estimate_round_ops_do_not_grow_with_the_number_of_tensors():
     """The estimate's arithmetic runs as foreach ops over batches of pieces: a model of 200 tensors issues
     about as many ops per estimate round as one of 20 (both fit in one batch), not 10 times as many."""

@@ -70,6 +70,7 @@ def test_accelerate_recipe(tmp_path):
     _check(_result(dirs["adamw"]), _result(dirs["acco"]), _result(dirs["resumed"]))
 
 
+@pytest.mark.slow
 def test_acco_trainer_names_gradient_accumulation_steps(tmp_path):
     """AccoTrainer in mode acco with gradient_accumulation_steps=1 says which TrainingArguments field to set and
     which acco_mode to choose instead, at construction."""
@@ -83,6 +84,7 @@ def test_acco_trainer_names_gradient_accumulation_steps(tmp_path):
 
 
 @pytest.mark.parametrize("mode,steps", [("sync", 1), ("dpu", 3), ("acco", 2)])
+@pytest.mark.slow
 def test_acco_trainer_builds_the_optimizer_with_gradient_accumulation_steps_in_every_mode(tmp_path, mode, steps):
     """The optimizer AccoTrainer builds takes Trainer's gradient_accumulation_steps as its micro-batches per update
     in every mode (docs/integrations.md), so a step() after more backward() calls than that is refused in dpu and
@@ -97,6 +99,7 @@ def test_acco_trainer_builds_the_optimizer_with_gradient_accumulation_steps_in_e
     assert opt.mode == mode and opt.microbatches_per_update == steps
 
 
+@pytest.mark.slow
 def test_hf_integration_reports_the_real_import_error(monkeypatch):
     """transformers present but its Trainer failing to import (a broken dependency) is reported as that failure,
     not as 'transformers is missing'."""
@@ -117,6 +120,7 @@ def test_hf_integration_reports_the_real_import_error(monkeypatch):
     monkeypatch.delitem(sys.modules, "acco.integrations.hf", raising=False)
 
 
+@pytest.mark.slow
 def test_import_acco_reaches_the_integrations():
     """The accelerate snippet of docs/integrations.md writes acco.integrations.accelerate.prepare after `import acco` alone."""
     out = run_command([sys.executable, "-c", "import acco; print(acco.integrations.accelerate.prepare.__name__, "
@@ -134,6 +138,7 @@ def _split(model, **options):
                                         **options)
 
 
+@pytest.mark.slow
 def test_acco_trainer_takes_a_split_built_by_the_user(tmp_path):
     """Check AccoTrainer(optimizers=(split, None)) trains with the Muon + AdamW split as it was built, and refuses
     one whose clipping or micro-batches disagree with TrainingArguments (Trainer no longer clips .grad, so its
@@ -189,6 +194,7 @@ _BN = torch.nn.BatchNorm1d(3)
     (dict(mode="acco", max_grad_norm=None, accumulate_while_communicating=False, microbatches_per_update=2),
      dict(model_buffers=list(_BN.buffers()), held_buffers=list(_BN.buffers())), None),
 ])
+@pytest.mark.slow
 def test_given_optimizer_check(opt, kw, match):
     """Check the comparison of a user-built AccoOptimizer with a framework's settings, case by case."""
     from types import SimpleNamespace

@@ -76,6 +76,7 @@ def test_acco_strategy_matches_lightnings_ddp(runs):
     assert acco["clip_after"] == 1.0
 
 
+@pytest.mark.slow
 def test_resume_from_ckpt_path_is_bit_identical(runs):
     """Check a fit resumed from the checkpoint of epoch 2 ends with the very weights of the run never stopped."""
     assert runs["resumed"]["steps"] == runs["acco"]["steps"]
@@ -83,6 +84,7 @@ def test_resume_from_ckpt_path_is_bit_identical(runs):
     assert runs["resumed"]["val_loss"] == runs["acco"]["val_loss"]
 
 
+@pytest.mark.slow
 def test_checkpoint_holds_every_ranks_shard_and_the_committed_model(runs):
     """Check the .ckpt Lightning wrote on rank 0 holds both ranks' optimizer shards, and a model state dict
     equal to the committed weights the optimizer state holds (not the estimate)."""
@@ -133,12 +135,14 @@ class _TwoOptimizers:
      ValueError, "gradient_clip_algorithm='value'.*cannot be honoured.*'norm'"),
     ("one micro-batch per update in mode acco", {}, ValueError, "accumulate_grad_batches=1.*>= 2.*mode='sync'"),
 ])
+@pytest.mark.slow
 def test_settings_it_cannot_honour_are_refused(case, kwargs, error, match):
     """Check each Trainer setting the strategy cannot honour raises at fit(), naming the fix."""
     with pytest.raises(error, match=match):
         _fit(_trainer(**kwargs))
 
 
+@pytest.mark.slow
 def test_several_optimizers_are_refused_naming_the_one_optimizer_way():
     """Check two optimizers from configure_optimizers are refused, naming from_optimizer for the split."""
     sys.path.insert(0, os.path.dirname(__file__))
@@ -146,6 +150,7 @@ def test_several_optimizers_are_refused_naming_the_one_optimizer_way():
         _fit(_trainer(accumulate_grad_batches=2), _TwoOptimizers())
 
 
+@pytest.mark.slow
 def test_strategy_options_are_acco_options():
     """Check AccoStrategy passes AccoOptimizer options through and refuses others, naming them."""
     from acco.integrations.lightning import AccoStrategy
@@ -158,6 +163,7 @@ def test_strategy_options_are_acco_options():
         AccoStrategy(max_grad_norm=1.0)
 
 
+@pytest.mark.slow
 def test_on_cuda_the_strategy_does_not_look_for_ddp_comm_hooks():
     """Check setup's hook registration on a CUDA root device: Lightning's DDPStrategy asserts its model is a
     DistributedDataParallel there (found on the first GPU run: Trainer(accelerator="gpu", strategy="acco")
@@ -195,6 +201,7 @@ class _Split:
         return Split()
 
 
+@pytest.mark.slow
 def test_a_split_built_by_the_user_trains_and_must_agree_with_the_trainer():
     """Check the Muon + AdamW split returned from configure_optimizers is taken as it is and trains, and that one
     disagreeing with the Trainer's clipping is refused naming both settings (its clipping would be dropped)."""

@@ -13,6 +13,9 @@ import re
 import sys
 
 from _dist import run_command
+import pytest
+
+pytestmark = pytest.mark.slow  # make test-all only: the study's smoke
 
 STUDY = os.path.join(os.path.dirname(__file__), "..", "examples", "nanogpt", "study.py")
 TINY = ["--methods", "ddp,acco", "--lrs", "1e-3,3e-3", "--seeds", "0", "--iters", "12", "--warmup", "2",

@@ -163,6 +163,7 @@ def _results(dp: int, tp: int, inside: str = "tp", shard: int = 1):
 
 @pytest.mark.parametrize("shape", [(2, 1, 2), (1, 2, 2)], ids=["2x1x2", "1x2x2"])
 @pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.slow
 def test_tensor_parallel_and_fsdp2_together_equal_the_oracle(shape, setting):
     """Tensor parallelism then FSDP2 inside a host (2-D DTensors on ('shard', 'tp')), ACCO across hosts, on
     ('dp', 'shard', 'tp') meshes of 4 ranks: the oracle with hosts x FSDP ranks, within 1e-5."""
@@ -185,7 +186,8 @@ def test_fsdp2_inside_acco_across_hosts_equals_the_oracle(setting):
         assert r.get("clip_changed", 1.0) > 1e-3, (rank, r)
 
 
-@pytest.mark.parametrize("shape", [(2, 2), (2, 1), (1, 2)], ids=["2x2", "2x1", "1x2"])
+@pytest.mark.parametrize("shape", [(2, 2), pytest.param((2, 1), marks=pytest.mark.slow),
+                                   pytest.param((1, 2), marks=pytest.mark.slow)], ids=["2x2", "2x1", "1x2"])
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_tensor_parallel_inside_acco_across_hosts_equals_the_oracle(shape, setting):
     """Every rank's weights, gathered after every update, equal the oracle on the unsharded model with ``dp``
@@ -235,6 +237,7 @@ def _skip_worker(rank: int, world: int, mode: str) -> dict:
 
 
 @pytest.mark.parametrize("mode", ["sync", "acco"])
+@pytest.mark.slow
 def test_a_non_finite_gradient_in_one_shard_skips_the_update_on_every_shard(mode):
     """An inf in one tensor-parallel rank's gradient skips that update on every rank (the norm spans the
     model's shards): every shard is left untouched, and training goes on."""
@@ -303,6 +306,7 @@ def _refusal_worker(rank: int, world: int, case: str) -> str:
     ("disagree", "the DeviceMesh and placements of DTensor parameters"),
     ("ddp", "got mixed torch.Tensor and DTensor"),  # torch's own refusal, at DDP's construction
 ])
+@pytest.mark.slow
 def test_what_dtensor_parameters_do_not_support_yet_is_refused_on_every_rank(case, words):
     """Each refusal is raised at construction (or at the call) on every rank, naming what works."""
     for msg in run_ranks(_refusal_worker, 4, case):
@@ -376,7 +380,9 @@ def ckpt_dir(tmp_path_factory):
     return str(tmp_path_factory.mktemp("mesh_ckpt"))
 
 
-@pytest.mark.parametrize("inside,mode", [("tp", "acco"), ("fsdp", "acco"), ("tp", "dpu"), ("fsdp", "sync")])
+@pytest.mark.parametrize("inside,mode", [("tp", "acco"),
+                                         *(pytest.param(*c, marks=pytest.mark.slow)
+                                           for c in [("fsdp", "acco"), ("tp", "dpu"), ("fsdp", "sync")])])
 def test_a_mesh_checkpoint_resumes_bit_identically(ckpt_dir, inside, mode):
     """acco.checkpoint.save/load with DTensor parameters on (2, 2): each model shard's pieces under its own
     name, written by every rank of the mesh; resumed on fresh objects, the next updates are identical."""
@@ -442,6 +448,7 @@ def _reload_worker(rank: int, world: int, folder: str, case: str) -> str:
     ("plain-into-mesh", 4, "written by a run without DTensor parameters, loaded into one with them"),
     ("other-shard-file", 4, "Resume with the same intra-host parallelism"),
 ])
+@pytest.mark.slow
 def test_a_mesh_checkpoint_loads_on_fewer_hosts_and_is_refused_elsewhere(ckpt_dir, case, world, words):
     """A (2, 2) tensor-parallel checkpoint loads on one host with the weights it saved; into a run without a
     mesh, with FSDP2 instead, or on another intra-host shape it is refused on every rank, as is a checkpoint
@@ -478,6 +485,7 @@ def _grad_sync_worker(rank: int, world: int, mode: str) -> dict:
 
 
 @pytest.mark.parametrize("mode", ["sync", "acco"])
+@pytest.mark.slow
 def test_fsdp2_without_gradient_sync_on_early_microbatches(mode):
     """set_requires_gradient_sync(False) until each update's last micro-batch: FSDP2 hands the summed gradient
     over once. Mode sync equals the oracle's sync; mode acco then has no estimate (each update commits

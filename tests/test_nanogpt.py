@@ -16,6 +16,8 @@ import torch
 
 from _dist import run_command
 
+pytestmark = pytest.mark.slow  # make test-all only: the ported loops
+
 HERE = os.path.dirname(__file__)
 EXAMPLE = os.path.join(HERE, "..", "examples", "nanogpt")
 

@@ -96,7 +96,7 @@ def _stats_worker(rank: int, world: int, mode: str) -> list:
     return opt.round_stats()
 
 
-@pytest.mark.parametrize("mode", ["acco", "sync"])
+@pytest.mark.parametrize("mode", ["acco", pytest.param("sync", marks=pytest.mark.slow)])
 def test_round_stats_report_hidden_and_waited(mode):
     """Check round_stats: counts per rank, timings consistent, acco rounds hidden, sync rounds waited for."""
     for rank, stats in enumerate(run_ranks(_stats_worker, 2, mode)):

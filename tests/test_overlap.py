@@ -11,6 +11,8 @@ from __future__ import annotations
 import threading
 import time
 
+import pytest
+
 import acco.rounds as rounds
 from _dist import run_ranks
 from tinynet import loss_fn, make_model
@@ -106,6 +108,7 @@ def test_round_overlaps_next_backward_acco():
         _check(events)
 
 
+@pytest.mark.slow
 def test_round_overlaps_next_backward_dpu():
     """Check the same overlap for mode dpu."""
     for events in run_ranks(_overlap_worker, 2, "dpu"):

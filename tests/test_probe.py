@@ -61,6 +61,7 @@ def _probe(*args: str, ranks: int) -> dict:
 
 
 @pytest.mark.parametrize("ranks", [1, 2])
+@pytest.mark.slow
 def test_probe_command_measures_rounds(ranks):
     """Check that the probe times real rounds and applies the model to them."""
     r = _probe("--params", "200k", "--compute-seconds", "0.05", "--rounds", "3", ranks=ranks)
@@ -70,6 +71,7 @@ def test_probe_command_measures_rounds(ranks):
     assert r["acco_update_s"] == pytest.approx(max(0.1, 2 * r["round_s"]))
 
 
+@pytest.mark.slow
 def test_probe_estimates_compute_from_tokens():
     """Check the estimate path: 6 x params x tokens over measured matmul FLOP/s."""
     r = _probe("--params", "100k", "--tokens", "4k", "--rounds", "2", ranks=1)
@@ -82,6 +84,7 @@ def test_probe_refuses_missing_compute():
         run_command([sys.executable, "-m", "acco.probe", "--params", "1M"], timeout=60)
 
 
+@pytest.mark.slow
 def test_probe_with_muon_steps_whole_matrices():
     """Check --optimizer muon times rounds of torch.optim.Muon on whole matrices of the given shape (Muon refuses
     anything but 2-D, so a flat slice would fail), on 2 ranks, and that its options are checked."""

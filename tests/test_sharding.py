@@ -41,7 +41,7 @@ def _bytes_worker(rank: int, world: int) -> dict:
     }
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_each_rank_holds_only_its_slice(world):
     """Check, by counting bytes, that the fp32 master and AdamW moments cover ceil(numel/N) elements per rank."""
     res = run_ranks(_bytes_worker, world)

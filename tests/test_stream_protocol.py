@@ -171,7 +171,8 @@ def _results(world: int):
     return run_ranks(_worker, world, timeout=600)
 
 
-@pytest.mark.parametrize("world,name", [(w, c[0]) for c in CONFIGS for w in (1, 2, 3)
+@pytest.mark.parametrize("world,name", [pytest.param(w, c[0], marks=() if w == 2 else pytest.mark.slow)
+                                        for c in CONFIGS for w in (1, 2, 3)
                                         if not c[0].endswith("estimate-auto") or w in AUTO_WORLDS])
 def test_cuda_path_matches_oracle_with_no_race(world, name):
     _, opt_name, mode, m, model_device, _ = next(c for c in CONFIGS if c[0] == name)

@@ -17,6 +17,8 @@ import pytest
 
 from _dist import run_command
 
+pytestmark = pytest.mark.slow  # make test-all only: the study's smoke
+
 HERE = os.path.dirname(__file__)
 TOOL = os.path.join(HERE, "..", "examples", "nanogpt", "time_to_target.py")
 TINY = ["--methods", "ddp,acco", "--seeds", "0", "--warmups", "2", "--lengths", "12", "--floors", "0",

@@ -163,6 +163,7 @@ def _mismatch_worker(rank, world):
     return "no error"
 
 
+@pytest.mark.slow
 def test_ranks_with_different_round_counts_fail_at_finish_instead_of_hanging():
     """Check that finish() reports ranks that handed off different numbers of rounds, on every rank: rank 1's
     extra round meets rank 0's finish() on the rounds' group."""

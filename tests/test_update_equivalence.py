@@ -115,7 +115,8 @@ def _results(world: int):
     return run_ranks(_worker, world)
 
 
-@pytest.mark.parametrize("world,name", [(w, c[0]) for w in (2, 3) for c in CONFIGS
+@pytest.mark.parametrize("world,name", [pytest.param(w, c[0], marks=() if w == 2 else pytest.mark.slow)
+                                        for w in (2, 3) for c in CONFIGS
                                         if "estimate_dtype" not in c[6] or w in BF16_ESTIMATE_WORLDS])
 def test_one_step_per_update_matches_oracle(world, name):
     """Check the model after every step(), the committed weights and the model after finish() against the oracle."""

@@ -161,7 +161,8 @@ def _results(world: int):
     return run_ranks(_worker, world)
 
 
-@pytest.mark.parametrize("world,name", [(w, c[0]) for w in (2, 3, 4) for c in CONFIGS
+@pytest.mark.parametrize("world,name", [pytest.param(w, c[0], marks=() if w == 2 else pytest.mark.slow)
+                                        for w in (2, 3, 4) for c in CONFIGS
                                         if "estimate_dtype" not in c[4] or w in BF16_WORLDS])
 def test_whole_tensor_optimizers_match_the_oracle(world, name):
     """Check the model after every step(), the committed weights and the model after finish() against the real
@@ -257,7 +258,7 @@ def _saved_on_three(path: str):
     return run_ranks(_save_worker, 3, path)[0]
 
 
-@pytest.mark.parametrize("world", [3, 2, 4, 1])
+@pytest.mark.parametrize("world", [pytest.param(w, marks=pytest.mark.slow) for w in (3, 2, 4, 1)])
 def test_split_checkpoint_reshards_every_tensor_exactly(tmp_path_factory, world):
     """Check a Muon + AdamW checkpoint saved on 3 ranks: on 1, 2 and 4 ranks (whole tensors change owners, the
     AdamW table is cut at other elements) every parameter's full state and the committed weights come back bit-identical; on 3
