@@ -197,7 +197,7 @@ def _exchange(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, group:
     """Send ``send`` to global rank ``dst`` while receiving ``recv`` from ``src``. Point-to-point.
 
     Receives are posted before the sends (gloo then streams both directions at
-    once: measured 1.6x faster than send-then-receive on a rate-limited link),
+    once; docs/benchmarks.md section 1 measures it against send-then-receive),
     in a few tagged pieces so that both directions stay busy.
     """
     pieces = max(1, min(_RING_PIECES, recv.numel() // _RING_MIN_PIECE))
