@@ -9,7 +9,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: venv test test-all demo study lr-study bench clean
+.PHONY: venv test test-all dist-check demo study lr-study bench clean
 
 $(VENV)/.ready: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,17 @@ test: $(VENV)/.ready
 ## network namespaces (as root), how processes end under signals, and equivalences at 1, 3 and 4 ranks.
 test-all: $(VENV)/.ready
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=15
+
+## The package as users install it: build the wheel and sdist (python -m build, into dist/), install the wheel
+## into a fresh venv (.dist-venv, with torch pinned as above) and, from outside the clone, import it, take a 2-rank
+## gloo step and run acco-probe --help (tests/wheel_smoke.py). CI runs it after test-all.
+dist-check: $(VENV)/.ready
+	rm -rf dist .dist-venv
+	$(PY) -m build --outdir dist .
+	$(PYTHON) -m venv .dist-venv
+	.dist-venv/bin/python -m pip install -q "$(TORCH_PIN)"
+	.dist-venv/bin/python -m pip install -q dist/torch_acco-*.whl
+	cd "$$(mktemp -d)" && OMP_NUM_THREADS=1 $(CURDIR)/.dist-venv/bin/python $(CURDIR)/tests/wheel_smoke.py --source $(CURDIR)
 
 ## What ACCO buys (about 80 s on 2 cores): DDP, ZeRO-1 and ACCO on 2 CPU ranks over a simulated slow link,
 ## a table of tokens/s, communication hidden and held-out loss, a verdict, and runs/demo/loss_vs_time.png.
@@ -61,4 +72,4 @@ bench: $(VENV)/.ready
 		--plot docs/benchmarks_overlap.png
 
 clean:
-	rm -rf $(VENV) runs .pytest_cache
+	rm -rf $(VENV) runs .pytest_cache dist .dist-venv

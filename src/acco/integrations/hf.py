@@ -51,7 +51,7 @@ try:
     from transformers import Trainer
 except ImportError as exc:
     if exc.name == "transformers":  # transformers itself is missing
-        raise ImportError("acco.integrations.hf needs transformers: pip install 'transformers>=5.23' 'accelerate>=1.15' (or, in acco's clone, pip install -e '.[hf]')") from exc
+        raise ImportError("acco.integrations.hf needs transformers: pip install 'transformers>=5.23' 'accelerate>=1.15' (the extra 'torch-acco[hf]'; in acco's clone, pip install -e '.[hf]')") from exc
     # transformers is there but its Trainer failed to import: say what failed, not that it is missing
     raise ImportError(f"acco.integrations.hf: importing transformers.Trainer failed: {exc}") from exc
 

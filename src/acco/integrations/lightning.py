@@ -58,7 +58,7 @@ try:
     from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 except ImportError as exc:
     if exc.name in ("lightning", "lightning.pytorch"):
-        raise ImportError("acco.integrations.lightning needs Lightning: pip install 'lightning>=2.6' (or, in acco's clone, pip install -e '.[lightning]')") from exc
+        raise ImportError("acco.integrations.lightning needs Lightning: pip install 'lightning>=2.6' (the extra 'torch-acco[lightning]'; in acco's clone, pip install -e '.[lightning]')") from exc
     raise ImportError(f"acco.integrations.lightning: importing lightning.pytorch failed: {exc}") from exc
 
 __all__ = ["AccoStrategy"]
