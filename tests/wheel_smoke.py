@@ -45,9 +45,10 @@ def main() -> None:
 
     import acco
 
-    source = os.path.realpath(args.source)
+    clone_src = os.path.join(os.path.realpath(args.source), "src") + os.sep
     where = os.path.realpath(acco.__file__)
-    assert not where.startswith(source + os.sep), f"acco imported from the clone ({where}), not from the wheel"
+    assert not where.startswith(clone_src) and f"{os.sep}site-packages{os.sep}" in where, \
+        f"acco imported from {where}, not from the wheel installed in the venv's site-packages"
     print(f"import acco: {where}")
 
     with tempfile.TemporaryDirectory() as tmp:
