@@ -266,7 +266,7 @@ cases = [
   "    if low:  # the estimate travels in estimate_dtype",
   "tests/test_functional.py -k oracle"),
  ("M95 delay_correction never records the step it took (u_{k-1} stays the first update's)", "src/acco/functional.py",
-  "        prev.copy_(u)\n", "", "tests/test_update_equivalence.py -k delay-correction"),
+  "        torch._foreach_copy_(previous, now)\n", "", "tests/test_update_equivalence.py -k delay-correction"),
  ("M96 delay_correction applied to the synchronous updates too", "src/acco/loops.py",
   "0.0 if synchronous else c.delay_correction", "c.delay_correction", "tests/test_update_equivalence.py -k sync2-delay"),
  ("M97 a fused kernel's own skip kept under delay_correction (the feedback of a skipped step left applied)",

@@ -124,25 +124,29 @@ DELAY_KEY = "acco_previous_update"  # the state entry delay_correction keeps per
 
 
 @torch.no_grad()
-def correct_delay(optimizer: torch.optim.Optimizer, pieces: Sequence[torch.Tensor], before: torch.Tensor,
-                  master: torch.Tensor, c: float) -> None:
-    """Error feedback for a one-step-stale gradient (``delay_correction``, mode dpu; ``docs/algorithm.md``):
-    with ``u_k = before - theta`` the step the optimizer has just taken on ``pieces`` (views of ``master``;
-    ``before``: a copy of ``master`` taken before that step), ``theta -= c * (u_k - u_{k-1})`` where the state
-    records a previous step ``u_{k-1}``, and ``u_k`` is recorded in its place. ``before`` is overwritten."""
-    base, size = master.data_ptr(), master.element_size()
-    for p in pieces:
-        if p.numel() == 0:  # a parameter outside this rank's slice
-            continue
-        start = (p.data_ptr() - base) // size
-        u = before[start : start + p.numel()].view_as(p).sub_(p)  # u_k, in the scratch's memory
-        state = optimizer.state[p]
-        prev = state.get(DELAY_KEY)
-        if prev is None:  # the first corrected update: a plain step (nothing to feed back yet)
+def correct_delay(optimizer: torch.optim.Optimizer, tensors: Sequence[torch.Tensor],
+                  pieces: Sequence[Tuple[int, int]], steps: torch.Tensor, c: float) -> None:
+    """Error feedback for a one-step-stale gradient (``delay_correction``, mode dpu; ``docs/algorithm.md``).
+
+    ``steps`` is ``u_k`` over the master slice (the slice before the optimizer's step minus after it);
+    ``tensors`` are the optimizer's parameters, at ``pieces`` (local start, end) of that slice. Where the state
+    records a previous step ``u_{k-1}``, ``theta -= c * (u_k - u_{k-1})``; ``u_k`` is recorded in its place (the
+    first corrected update is a plain step). Three foreach ops for all the tensors, as :func:`estimate_into`
+    keeps a round's launches from growing with the number of tensors."""
+    fed, previous, now = [], [], []
+    for t, (a, b) in zip(tensors, pieces):
+        u = steps[a:b].view_as(t)
+        state = optimizer.state[t]
+        if state.get(DELAY_KEY) is None:  # nothing to feed back yet
             state[DELAY_KEY] = u.clone()
-            continue
-        p.add_(prev, alpha=c).sub_(u, alpha=c)  # theta_{k+1} = theta_k - u_k - c (u_k - u_{k-1})
-        prev.copy_(u)
+        else:
+            fed.append(t)
+            previous.append(state[DELAY_KEY])
+            now.append(u)
+    if fed:
+        torch._foreach_add_(fed, previous, alpha=c)  # theta_{k+1} = theta_k - u_k - c (u_k - u_{k-1})
+        torch._foreach_sub_(fed, now, alpha=c)
+        torch._foreach_copy_(previous, now)
 
 
 def copy_ranges(out: torch.Tensor, source: torch.Tensor, ranges: Sequence[Tuple[int, int]]) -> None:

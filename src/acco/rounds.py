@@ -381,8 +381,9 @@ def _step(ctx: RoundContext, kind: RoundKind, plan: _StepPlan, decision: _Decisi
             for part in stepped:
                 part.optimizer.__dict__.pop("found_inf", None)
         if before is not None:
+            steps = before.sub_(b.master)  # u_k over the whole slice: one op, whatever the number of tensors
             for part in stepped:
-                functional.correct_delay(part.optimizer, part.tensors, before, b.master, plan.correction)
+                functional.correct_delay(part.optimizer, part.tensors, part.pieces, steps, plan.correction)
         if snapshot is not None and not snapshotted:
             snapshot.stepped = True  # the optimizers' state exists now, for every tensor that keeps one
     if restore:
