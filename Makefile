@@ -45,11 +45,11 @@ dist-check: $(VENV)/.ready
 demo: $(VENV)/.ready
 	OMP_NUM_THREADS=1 $(PY) -m torch.distributed.run --standalone --nproc_per_node=2 examples/demo.py $(DEMO_ARGS)
 
-## The convergence study of docs/convergence.md (about 100 minutes on 2 cores).
+## The convergence study of docs/studies/convergence-runs.md (about 100 minutes on 2 cores).
 study: $(VENV)/.ready
 	$(PY) examples/gpt/study.py --out runs/study --steps 600 --eval-every 50
 
-## The learning-rate study of docs/convergence.md (DDP vs ACCO, 5 LRs, 3 seeds; DPU 1 seed; the remedy acco-sync20
+## The learning-rate study of docs/studies/lr-study.md (DDP vs ACCO, 5 LRs, 3 seeds; DPU 1 seed; the remedy acco-sync20
 ## at 2e-3 and 4e-3): resumable, appends to docs/convergence_data/lr_study.jsonl, then rewrites its tables and
 ## plots. On 2 cores a run takes 270-600 s with the machine to itself: the 35 runs the question needs about 4 h, all
 ## 41 about 5.5 h (the recorded 41 took 7.98 h, some beside tests). `make lr-study LR_STUDY_ARGS=--report-only` redraws.

@@ -1,6 +1,6 @@
 """The GPU acceptance, in one command, for the first machine with an NVIDIA GPU:
 
-    .venv/bin/python benchmarks/gpu_check.py               # on the GPU machine: rewrites docs/gpu.md's results
+    .venv/bin/python benchmarks/gpu_check.py               # on the GPU machine: rewrites docs/studies/gpu-runs.md's block
     .venv/bin/python benchmarks/gpu_check.py --dry-run --out /tmp/gpu.md   # on CPU (CI runs this)
 
 Ten checks, each a section of the report, on a process group of one NCCL
@@ -42,7 +42,11 @@ error at different steps:
 itself is exercised: the CUDA tests skip, the profiler sees no kernels (the
 trace analysis is shown on a synthetic trace instead, labelled so), timings
 are CPU timings of a toy, and compile uses the ``eager`` backend. A dry run
-never writes ``docs/gpu.md`` unless ``--out`` says so.
+never writes a file unless ``--out`` says so.
+
+The report is a block between ``<!-- gpu_check:begin -->`` and ``<!-- gpu_check:end -->``: the script
+replaces that block in the report file (``docs/studies/gpu-runs.md`` by default, the GPU runs' records;
+``docs/gpu.md`` sums them up), or appends it to a file without one.
 """
 
 from __future__ import annotations
@@ -763,7 +767,8 @@ def main(argv: Sequence[str] = None) -> Dict[str, Any]:
     argv = list(sys.argv[1:] if argv is None else argv)
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--dry-run", action="store_true", help="run every section on the CPU with a tiny model")
-    p.add_argument("--out", type=Path, default=None, help="report file (default: docs/gpu.md; none on a dry run)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="report file whose gpu_check block is rewritten (default: docs/studies/gpu-runs.md; none on a dry run)")
     p.add_argument("--repeats", type=int, default=None)
     p.add_argument("--only", default=None, help="comma-separated sections to run (default: all), e.g. exits,dtensor: "
                                                 "a short check when little device time is left")
@@ -809,7 +814,7 @@ def main(argv: Sequence[str] = None) -> Dict[str, Any]:
             results[key] = section(*runs[key])
     results["failures"] = verdict(results, dry)
     block = render(results, dry, device, argv)
-    out = args.out if args.out is not None else (None if dry else ROOT / "docs" / "gpu.md")
+    out = args.out if args.out is not None else (None if dry else ROOT / "docs" / "studies" / "gpu-runs.md")
     if out is not None:
         write_report(out, block)
     print(block)

@@ -1,6 +1,6 @@
 """GPU memory per optimizer on one GPU, in copies of the parameters (fp32), with memory_report's parts.
 
-    python benchmarks/gpu_memory.py             # on a GPU (docs/gpu.md records its output)
+    python benchmarks/gpu_memory.py             # on a GPU (docs/studies/gpu-runs.md records its output)
     python benchmarks/gpu_memory.py --dry-run   # CPU, tiny model: the script runs, memory not measured (CI)
 
 gpu_check.py's model, no process group (one rank: the master slice is the whole model). "steady": allocated

@@ -1,6 +1,6 @@
 """Time per update of ACCO's modes against torch's AdamW on one GPU, and where the host's time goes.
 
-    python benchmarks/gpu_time.py                       # on a GPU (docs/gpu.md records its output)
+    python benchmarks/gpu_time.py                       # on a GPU (docs/studies/gpu-runs.md records its output)
     SRC=/other/checkout/src python benchmarks/gpu_time.py   # the same for another version of the library
     python benchmarks/gpu_time.py --dry-run             # CPU, tiny model: the script runs (CI)
 

@@ -1,5 +1,5 @@
 """examples/nanogpt/delay_model.py: its matrices against the algorithm simulated step by step, and sync's edge
-against its closed form (the model ranks candidate estimates in docs/convergence.md)."""
+against its closed form (the model ranks candidate estimates in docs/studies/time-to-target.md)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""examples/nanogpt/study.py, the learning-rate study of docs/convergence.md: a 2-LR, 1-seed smoke.
+"""examples/nanogpt/study.py, the learning-rate study of docs/studies/lr-study.md: a 2-LR, 1-seed smoke.
 
 The study runs the nanoGPT-style loops (DDP + AdamW and AccoOptimizer) under torchrun, appends one record
 per run, and writes its tables from the records alone. The test checks the numbers in the report against the

@@ -402,7 +402,7 @@ def test_the_screened_estimates_change_the_estimate_as_documented(monkeypatch):
 
 def test_other_lrs_run_every_method_and_each_is_judged_against_ddp_at_its_lr(tmp_path):
     """--acco-lrs: DDP and every ACCO method get lines at each LR after the main LR's, and the report gives a row
-    per LR whose ratio is against DDP's loss at that LR (DDP's best LR moved with the warm-up, docs/convergence.md)."""
+    per LR whose ratio is against DDP's loss at that LR (DDP's best LR moved with the warm-up, docs/studies/time-to-target.md)."""
     ttt = _tool()
     args = ttt.parse([*TINY, "--acco-lrs", "0.004", "--records", str(tmp_path / "r.jsonl"), "--doc",
                       str(tmp_path / "d.md"), "--speed", str(tmp_path / "none.jsonl")])

@@ -1,6 +1,6 @@
 """Plot eval loss vs tokens and vs wall-clock for several runs of train.py.
 
-    python examples/gpt/plot.py runs/acco-s0 runs/sync-s0 ... --out docs/convergence.png
+    python examples/gpt/plot.py runs/acco-s0 runs/sync-s0 ... --out docs/studies/convergence.png
 
 Runs with the same label (the summary's optimizer, plus "slow" when a rank was
 slowed) are averaged point by point, with a band of one standard deviation.

@@ -1,4 +1,4 @@
-"""The convergence study of docs/convergence.md: ACCO vs sync ZeRO-1 vs DPU vs torch DDP+ZeRO.
+"""The convergence study of docs/studies/convergence-runs.md: ACCO vs sync ZeRO-1 vs DPU vs torch DDP+ZeRO.
 
     python examples/gpt/study.py --out runs/study            # all runs (resumable), then tables and plots
     python examples/gpt/study.py --out runs/study --report   # tables and plots from finished runs
@@ -127,7 +127,7 @@ def report(out: Path, seeds, docs: Path) -> str:
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, default=Path("runs/study"))
-    p.add_argument("--docs", type=Path, default=Path("docs"))
+    p.add_argument("--docs", type=Path, default=Path("docs/studies"), help="where the plots go (the page that shows them)")
     p.add_argument("--steps", type=int, default=600)
     p.add_argument("--eval-every", type=int, default=50)
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])

@@ -1,6 +1,6 @@
 """The delay's linear model: what ACCO's estimate does to the largest stable step and to the noise floor.
 
-    python examples/nanogpt/delay_model.py        # the tables of docs/algorithm.md and docs/convergence.md
+    python examples/nanogpt/delay_model.py        # the tables of docs/algorithm.md and docs/studies/time-to-target.md
 
 One direction of the loss with curvature ``H``; the wrapped optimizer taken
 as heavy-ball momentum ``beta1`` with a fixed preconditioner ``P`` (AdamW

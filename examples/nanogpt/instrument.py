@@ -13,7 +13,7 @@
   update) and ``|theta_{t+1} - theta_t|`` to ``OUT_DIR/estimate_gap.json``.
   It waits for every commit: a diagnostic, not for timing.
 * ``--estimate-blend=W``: a candidate remedy screened by the time-to-target
-  study (``docs/convergence.md``), not a library option. It changes the
+  study (``docs/studies/time-to-target.md``), not a library option. It changes the
   arithmetic of the estimate round's Adam step (``acco.functional._adam``,
   which computes ``Opt*`` only), never the commit: the estimate's gradient is
   ``W * g + (1 - W) * m`` (``m`` the first moment before the step: ``W = 0`` is

@@ -1,4 +1,4 @@
-"""The learning-rate study of docs/convergence.md: can I keep my DDP learning rate?
+"""The learning-rate study of docs/studies/lr-study.md: can I keep my DDP learning rate?
 
     python examples/nanogpt/study.py                 # run what is missing (resumable), then report
     python examples/nanogpt/study.py --report-only   # tables and plots from the records alone
@@ -10,7 +10,9 @@ modes. A finished run appends one JSON line to ``--records``; a run whose
 line is there is not run again, so a killed study picks up where it stopped
 (the run in flight starts over). The report reads the records and nothing
 else: the tables go between the study's markers in ``--doc``, the plots
-beside it.
+beside it. ``--doc`` defaults to docs/studies/lr-study.md, and with
+``--optimizer muon`` to docs/studies/muon-study.md (docs/convergence.md, the
+guide, sums both up).
 """
 
 from __future__ import annotations
@@ -431,7 +433,9 @@ def report(args: argparse.Namespace) -> dict:
 def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--records", type=Path, default=ROOT / "docs" / "convergence_data" / "lr_study.jsonl")
-    p.add_argument("--doc", type=Path, default=ROOT / "docs" / "convergence.md")
+    p.add_argument("--doc", type=Path, default=None,
+                   help="the page whose markers get the report (default: docs/studies/lr-study.md, "
+                        "with --optimizer muon docs/studies/muon-study.md); the plots go beside it")
     p.add_argument("--methods", type=lambda s: s.split(","), default=["ddp", "acco", "acco-sync20", "dpu"])
     p.add_argument("--lrs", type=lambda s: [float(x) for x in s.split(",")], default=[1e-3, 2e-3, 4e-3, 8e-3, 1.6e-2])
     p.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[0, 1, 2])
@@ -455,6 +459,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--report-only", action="store_true")
     p.add_argument("--no-plots", action="store_true")
     args = p.parse_args(argv)
+    if args.doc is None:
+        args.doc = ROOT / "docs" / "studies" / ("muon-study.md" if args.optimizer == "muon" else "lr-study.md")
     unknown = set(args.methods) - set(METHODS)
     if unknown:
         p.error(f"unknown method(s) {sorted(unknown)}: choose from {sorted(METHODS)}")

@@ -1,4 +1,4 @@
-"""Time to target (docs/convergence.md): how many updates, and how much time, ACCO needs to reach DDP's model.
+"""Time to target (docs/studies/time-to-target.md): how many updates, and how much time, ACCO needs to reach DDP's model.
 
     python examples/nanogpt/time_to_target.py                 # run what is missing (resumable), then report
     python examples/nanogpt/time_to_target.py --report-only   # tables and plot from the records alone
@@ -65,7 +65,8 @@ METHODS: Dict[str, Tuple[str, List[str], List[str]]] = {
     "acco-bf16-extrap120": ("train_acco.py", [], ["--acco-option=estimate_dtype=bfloat16",
                                                   "--acco-option=estimate_extrapolation=1.2"]),
     # plain ZeRO-1 (mode sync: reduce-scatter, step, all-gather, nothing overlapped): what an update of a
-    # synchronous prefix costs on the testbed (benchmarks/time_to_target.py speed; docs/benchmarks.md §9d)
+    # synchronous prefix costs on the testbed (benchmarks/time_to_target.py speed; docs/benchmarks.md §9d,
+    # the record in docs/studies/benchmarks-time-per-update.md)
     "sync": ("train_acco.py", ["--mode=sync"], []),
     # mode dpu (the one-step-stale gradient, no estimate round), and with its error feedback (delay_correction=1.0,
     # the setting of Zmushko et al. 2026)
@@ -662,7 +663,7 @@ def report(args: argparse.Namespace) -> dict:
 def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--records", type=Path, default=ROOT / "docs" / "convergence_data" / "time_to_target.jsonl")
-    p.add_argument("--doc", type=Path, default=ROOT / "docs" / "convergence.md")
+    p.add_argument("--doc", type=Path, default=ROOT / "docs" / "studies" / "time-to-target.md")
     p.add_argument("--workdir", type=Path, default=ROOT / "runs" / "time_to_target")
     p.add_argument("--speed", type=Path, nargs="+",
                    default=[ROOT / "docs" / "benchmarks_data" / f"time_to_target_speed{x}.jsonl"

@@ -167,7 +167,7 @@ def resolve_estimate_dtype(estimate_dtype: Any, mode: str, compute_dtype: torch.
                            world_size: int) -> Optional[torch.dtype]:
     """``estimate_dtype``: the dtype the estimate round travels in, or ``None`` (like the commit).
 
-    ``"auto"`` (the default) is ``torch.bfloat16`` where it was measured and halves the estimate round's bytes: mode
+    ``"auto"`` (the default) is ``torch.bfloat16`` where it applies and halves the estimate round's bytes: mode
     acco, an fp32 model whose gradients travel in fp32, more than one rank. Anywhere else it is ``None`` (a bf16
     model's weights already travel in bf16). An explicit dtype is checked."""
     if isinstance(estimate_dtype, str):
@@ -233,7 +233,7 @@ def check_estimate_extrapolation(mode: str, c: Any) -> float:
     if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or not 0 < c <= 2:
         raise ValueError(
             f"estimate_extrapolation must be a number in (0, 2], got {c!r}: 1.0 is the paper's estimate, 1.2 the "
-            "measured option (docs/convergence.md, time to target)"
+            "setting studied in docs/settings.md"
         )
     if c != 1 and mode != "acco":
         raise ValueError(f"estimate_extrapolation={c} applies to mode='acco' only (its estimate round), got "

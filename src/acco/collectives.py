@@ -54,7 +54,7 @@ def ring_algorithm(group: Optional[dist.ProcessGroup]) -> str:
     reduce-scatter needs, and its all-gather does not use both directions of a
     link at once. :func:`ring_reduce_scatter` and :func:`ring_all_gather` send
     the minimum, ``(N-1)/N`` of the buffer per rank, in both directions at once
-    (``docs/benchmarks.md`` measures both).
+    (``docs/benchmarks.md`` §1 measures both).
     """
     choice = os.environ.get(RING_ENV, "").strip()
     if choice and choice not in ("0", "1"):
@@ -197,7 +197,7 @@ def _exchange(send: torch.Tensor, dst: int, recv: torch.Tensor, src: int, group:
     """Send ``send`` to global rank ``dst`` while receiving ``recv`` from ``src``. Point-to-point.
 
     Receives are posted before the sends (gloo then streams both directions at
-    once; docs/benchmarks.md section 1 measures it against send-then-receive),
+    once; docs/studies/benchmarks-overlap.md section 1 measures it against send-then-receive),
     in a few tagged pieces so that both directions stay busy.
     """
     pieces = max(1, min(_RING_PIECES, recv.numel() // _RING_MIN_PIECE))

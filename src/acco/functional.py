@@ -25,7 +25,7 @@ import torch
 __all__ = ["CHUNK", "CUDA_CHUNK", "chunk_elements", "copy_ranges", "estimate_into", "supports", "temporaries_bound"]
 
 CHUNK = 1 << 20  # elements per piece of work on the CPU: the temporaries are a few of these
-CUDA_CHUNK = 1 << 22  # on a GPU: a foreach kernel over 2^20 elements is launch-bound (first GPU run, docs/gpu.md)
+CUDA_CHUNK = 1 << 22  # on a GPU: a foreach kernel over 2^20 elements is launch-bound (docs/studies/gpu-runs.md)
 
 
 def chunk_elements(master: torch.Tensor) -> int:

@@ -123,8 +123,8 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
             next half's gradients are taken; the commit round stays in full
             precision. ``"auto"`` (default): ``torch.bfloat16`` in mode acco
             for an fp32 model whose gradients travel in fp32 between more
-            than one rank, else ``None`` (it measured no cost in updates to reach DDP's loss:
-            ``docs/convergence.md``). ``None``: the estimate travels like the
+            than one rank, else ``None`` (why, and its evidence:
+            ``docs/settings.md``). ``None``: the estimate travels like the
             commit, the paper's exact algorithm. The resolved dtype is
             :attr:`estimate_dtype`.
         max_grad_norm: clip the global L2 norm of the averaged gradient to
@@ -161,7 +161,7 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
             - theta)`` (``1.0``, the default: the paper's). The commit is
             unchanged. Free for Adam, AdamW and SGD, one pass over the slice
             for other optimizers. In ``(0, 2]``. What it does to the updates
-            needed to reach DDP's loss: ``docs/convergence.md``, time to target.
+            needed to reach DDP's loss: ``docs/settings.md``.
         delay_correction: mode dpu, beyond the paper: error feedback against
             the one-step-stale gradient (Zmushko et al., ICML 2026): each
             delayed update's step ``u_k`` is followed by

@@ -66,7 +66,7 @@ class Prediction:
 
 
 def predict(compute_s: float, round_s: float, microbatches_per_half: int = 1) -> Prediction:
-    """Pure: the update-time model of ``docs/benchmarks.md``.
+    """Pure: the update-time model of ``docs/benchmarks.md`` ("Does the overlap pay on my network?").
 
     ``compute_s`` is one micro-batch's forward+backward; half a mini-batch is
     ``microbatches_per_half`` of them. Sync ZeRO-1 computes the whole mini-batch
