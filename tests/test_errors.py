@@ -382,26 +382,35 @@ def test_ranks_in_different_collective_calls_raise_on_every_rank_naming_both():
         assert "on every rank" in msg, msg
 
 
-def _one_rank_only_worker(rank, world, flag):
-    """Rank 0 calls acco.checkpoint.gather() with the optimizer's timeout at 2 s (the process group's is gloo's
-    default, 30 min); rank 1 does not, and stays alive until rank 0 has raised, 10 s at most: rank 0 gets acco's
-    message within the optimizer's timeout, not gloo's alone at the process group's (or when rank 1 leaves)."""
+def _one_rank_only_worker(rank, world, flag, call):
+    """Rank 0 makes ``call`` with the optimizer's timeout at 2 s (the process group's is gloo's default, 30 min):
+    ``acco.checkpoint.gather()`` (which first meets the others on the rounds' group), or the first update's
+    ``step()`` without ``microbatches_per_update`` (which agrees on the count on the control group alone); rank 1
+    does not, and stays alive until rank 0 has raised, 10 s at most: rank 0 gets acco's message within the
+    optimizer's timeout, not gloo's alone at the process group's (or when rank 1 leaves)."""
     import datetime
     import os
     import time
 
-    from tinynet import make_model
+    from tinynet import loss_fn, make_model
 
     import acco.checkpoint
     from acco import AccoOptimizer
 
     model = make_model()
-    opt = AccoOptimizer(model.parameters(), microbatches_per_update=2, lr=1e-2, timeout=datetime.timedelta(seconds=2))
+    per_update = None if call == "first step" else 2
+    opt = AccoOptimizer(model.parameters(), microbatches_per_update=per_update, lr=1e-2,
+                        timeout=datetime.timedelta(seconds=2))
     out = ("no error", 0.0)
     if rank == 0:
         start = time.monotonic()
         try:
-            acco.checkpoint.gather(opt, model=model)
+            if call == "first step":
+                for j in range(2):
+                    (loss_fn(model, rank, j) / 2).backward()
+                opt.step()
+            else:
+                acco.checkpoint.gather(opt, model=model)
         except RuntimeError as exc:
             out = (str(exc), time.monotonic() - start)
         open(flag, "w").close()  # rank 1 may leave now
@@ -413,12 +422,14 @@ def _one_rank_only_worker(rank, world, flag):
 
 
 @pytest.mark.slow
-def test_a_collective_call_made_on_one_rank_only_says_so(tmp_path):
+@pytest.mark.parametrize("call,name", [("gather", "acco.checkpoint.gather()"),
+                                       ("first step", "step() (the first update)")])
+def test_a_collective_call_made_on_one_rank_only_says_so(tmp_path, call, name):
     from _dist import run_ranks
 
-    msg, waited = run_ranks(_one_rank_only_worker, 2, str(tmp_path / "raised"), may_die={1})[0]
+    msg, waited = run_ranks(_one_rank_only_worker, 2, str(tmp_path / "raised"), call, may_die={1})[0]
     assert waited < 6, f"rank 0 waited {waited:.0f} s: until rank 1 left (at 10 s), not the optimizer's 2 s timeout"
-    assert msg.startswith("AccoOptimizer acco.checkpoint.gather(): waiting for the other ranks failed"), msg
+    assert msg.startswith(f"AccoOptimizer {name}: waiting for the other ranks failed"), msg
     assert "every rank must make this call at the same point" in msg, msg
 
 

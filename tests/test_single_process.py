@@ -197,3 +197,25 @@ def test_a_finished_optimizer_is_freed_when_dropped_without_the_garbage_collecto
     finally:
         if was_enabled:
             gc.enable()
+
+
+def test_the_configuration_is_resolved_once_and_read_only():
+    """Every option is resolved at construction into one frozen ``opt.options`` that the optimizer's attributes
+    read: the dtypes against the model (``"auto"`` is None on one process), and nothing can change it later."""
+    import dataclasses
+
+    model = make_model()
+    opt = AccoOptimizer(model.parameters(), mode="dpu", microbatches_per_update=2, max_grad_norm=1.0,
+                        compute_dtype=torch.bfloat16, delay_correction=0.5, lr=1e-2)
+    o = opt.options
+    assert (o.mode, o.max_grad_norm, o.delay_correction, o.synchronous_updates) == ("dpu", 1.0, 0.5, 0)
+    assert (o.compute_dtype, o.accumulation_dtype, o.reduce_dtype, o.estimate_dtype) == (
+        torch.bfloat16, torch.float32, torch.float32, None)
+    assert not o.estimates and not o.synchronous
+    for name in ("mode", "max_grad_norm", "compute_dtype", "reduce_dtype", "estimate_dtype", "delay_correction"):
+        assert getattr(opt, name) == getattr(o, name), name
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        o.mode = "sync"
+    with pytest.raises(AttributeError):
+        opt.max_grad_norm = 2.0
+    opt.finish()

@@ -16,13 +16,19 @@ import torch
 import torch.distributed as dist
 
 __all__ = ["CALLS_AFTER_ROUNDS", "COLLECTIVE_CALLS", "all_gather_row", "broadcast_parameters", "check_same_model",
-           "check_same_round_count", "digest", "fingerprints", "first_line", "hyper_fingerprint", "sync_buffers",
-           "waiting_failed"]
+           "check_same_round_count", "digest", "fingerprints", "first_line", "hyper_fingerprint",
+           "snapshot_hyperparams", "sync_buffers", "waiting_failed"]
 
 
 def digest(text: str) -> int:
     """52 bits of a SHA-256: exact in an int64 and in a float64."""
     return int.from_bytes(hashlib.sha256(text.encode()).digest()[:7], "little") >> 4
+
+
+def snapshot_hyperparams(param_groups: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """The groups' hyper-parameters as they are now, without their params (tensors cloned): what a hand-off gives
+    the round, so a scheduler stepping meanwhile cannot change an update in flight."""
+    return [{k: (v.clone() if torch.is_tensor(v) else v) for k, v in g.items() if k != "params"} for g in param_groups]
 
 
 def hyper_fingerprint(hyper: List[Dict[str, Any]]) -> float:

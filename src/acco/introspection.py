@@ -128,7 +128,7 @@ class Introspection:
         snapshot = self._driver.ctx.snapshot
         master = self._flat.shard.master
         temporaries = max([functional.temporaries_bound(part.optimizer, master) for part in self._wrapped.parts
-                           if self.mode == "acco" and functional.supports(part.optimizer)] or [0])
+                           if self.options.estimates and functional.supports(part.optimizer)] or [0])
         scratch = [] if snapshot is None else snapshot.tensors()
         if self._driver.ctx.delay_scratch is not None:
             scratch.append(self._driver.ctx.delay_scratch)

@@ -22,6 +22,8 @@ from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
 
 from . import _validation as V
+from .agreement import snapshot_hyperparams
+from .options import Options
 from .rounds import RoundKind, round_kind
 
 __all__ = ["ElasticLoop", "LoopContext", "UpdateLoop"]
@@ -31,23 +33,17 @@ log = logging.getLogger("acco")
 
 @dataclass
 class LoopContext:
-    """What a loop reads and calls: the options that decide hand-offs, the owners of the counters (``progress``),
+    """What a loop reads and calls: the configuration that decides hand-offs, the owners of the counters (``progress``),
     the rounds (``driver``) and the buffers (``flat``), and the optimizer's checks and reactions."""
 
-    mode: str
+    options: Options  # the resolved configuration (mode, hand-off bounds, synchronous updates, delay correction)
     world_size: int
-    synchronous_updates: int
-    delay_correction: float  # mode dpu: c of the error feedback on each delayed update (0: none)
-    estimate_microbatches: Optional[int]  # None: the first half, M // 2
-    min_microbatches: int
-    max_microbatches: Optional[int]
     progress: Any
     driver: Any
     flat: Any
     round_done: Callable[[], bool]  # whether the in-flight round has finished (the scheduler's)
     check_open: Callable[[], None]
-    hyperparams: Callable[[], List[Dict[str, Any]]]
-    clip_hint: Callable[[], str]
+    param_groups: List[Dict[str, Any]]  # the optimizer's live groups: each hand-off takes their values then
     gather_row: Callable[[List[int], str], List[List[int]]]
     after_handoff: Callable[[RoundKind, bool], None]
 
@@ -67,17 +63,17 @@ class UpdateLoop:
         p.mb_in_update += 1
         p.at_boundary = False
         m = p.microbatches_per_update
-        if (c.mode == "acco" and m is not None and not p.estimate_in_update and p.mb_in_update == self.estimate_at(m)
-                and p.commits_handed_off >= c.synchronous_updates):
+        if (c.options.estimates and m is not None and not p.estimate_in_update and p.mb_in_update == self.estimate_at(m)
+                and p.commits_handed_off >= c.options.synchronous_updates):
             c.check_open()
-            p.update_hyper = c.hyperparams()  # both rounds of one update use the same
+            p.update_hyper = snapshot_hyperparams(c.param_groups)  # both rounds of one update use the same
             c.driver.handoff(RoundKind.ESTIMATE, p.mb_in_update, m / (p.mb_in_update * c.world_size))
             p.estimate_in_update = True
 
     def estimate_at(self, m: int) -> int:
         """The micro-batches of an update before its estimate's hand-off (the first "half", or
         ``estimate_microbatches``)."""
-        return self.ctx.estimate_microbatches or m // 2
+        return self.ctx.options.estimate_microbatches or m // 2
 
     def zero_grad(self) -> None:
         """Discard the update's micro-batches so far (refused once its estimate is handed off)."""
@@ -104,9 +100,9 @@ class UpdateLoop:
                 "model's parameters were replaced after AccoOptimizer was built (model.to() to another device "
                 "type, load_state_dict(assign=True), ...): build the optimizer after moving the model"
             )
-        c.flat.check_untouched(c.clip_hint)
-        synchronous = c.mode == "sync" or p.commits_handed_off < c.synchronous_updates
-        if c.mode == "acco" and p.microbatches_per_update is None:
+        c.flat.check_untouched(c.options.clip_hint)
+        synchronous = c.options.synchronous or p.commits_handed_off < c.options.synchronous_updates
+        if c.options.estimates and p.microbatches_per_update is None:
             self._learn_microbatches(m)
             synchronous = True
         elif p.microbatches_per_update is not None and m > p.microbatches_per_update:
@@ -115,12 +111,12 @@ class UpdateLoop:
                 f"microbatches_per_update={p.microbatches_per_update} (fewer are fine, e.g. at the end of an "
                 "epoch): call step() after that many, or build the optimizer with the number you run"
             )
-        elif c.mode == "acco" and not p.estimate_in_update:
+        elif c.options.estimates and not p.estimate_in_update:
             synchronous = True  # a short update (fewer micro-batches than the estimate's): no estimate, no overlap
         if not p.estimate_in_update:
-            p.update_hyper = c.hyperparams()
+            p.update_hyper = snapshot_hyperparams(c.param_groups)
         # The error feedback corrects a step taken from a stale gradient: not a synchronous update's.
-        c.driver.handoff(RoundKind.COMMIT, m, 1.0 / c.world_size, 0.0 if synchronous else c.delay_correction)
+        c.driver.handoff(RoundKind.COMMIT, m, 1.0 / c.world_size, 0.0 if synchronous else c.options.delay_correction)
         p.mb_in_update = 0
         p.estimate_in_update = False
         c.after_handoff(RoundKind.COMMIT, synchronous)
@@ -136,8 +132,8 @@ class UpdateLoop:
             )
         if m < 2:
             raise ValueError(V.ACCO_NEEDS_TWO.format(m=m))
-        if self.ctx.estimate_microbatches is not None:
-            V.check_estimate_within(self.ctx.estimate_microbatches, m)
+        if self.ctx.options.estimate_microbatches is not None:
+            V.check_estimate_within(self.ctx.options.estimate_microbatches, m)
         self.ctx.progress.microbatches_per_update = m
         log.info("acco: %d micro-batches per update (learned from the first update, which ran synchronously)", m)
 
@@ -160,21 +156,21 @@ class ElasticLoop:
     def step(self) -> None:
         """Fold this micro-batch in; hand off a round if one can start."""
         c, p = self.ctx, self.ctx.progress
-        c.flat.fold(c.clip_hint)
+        c.flat.fold(c.options.clip_hint)
         p.at_boundary = False
         p.since_handoff += 1
         p.in_accum += 1
-        if p.since_handoff < c.min_microbatches:
+        if p.since_handoff < c.options.min_microbatches:
             return
         # Accumulate while you communicate: keep computing while the round is in flight, unless the bound is reached.
-        if not c.round_done() and (c.max_microbatches is None or p.since_handoff < c.max_microbatches):
+        if not c.round_done() and (c.options.max_microbatches is None or p.since_handoff < c.options.max_microbatches):
             return
-        kind = round_kind(c.mode, p.num_rounds)
+        kind = round_kind(c.options.mode, p.num_rounds)
         count = p.in_accum
         if kind is RoundKind.COMMIT:
             p.in_accum = 0
         p.since_handoff = 0
-        if c.mode != "acco" or kind is RoundKind.ESTIMATE:
-            p.update_hyper = c.hyperparams()  # both rounds of one acco update use the same
+        if not c.options.estimates or kind is RoundKind.ESTIMATE:
+            p.update_hyper = snapshot_hyperparams(c.param_groups)  # both rounds of one acco update use the same
         c.driver.handoff(kind, count, None)
-        c.after_handoff(kind, c.mode == "sync")
+        c.after_handoff(kind, c.options.synchronous)

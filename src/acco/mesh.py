@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 from .errors import ModelMovedError
 
-__all__ = ["LocalShards", "check_replicas", "check_supported", "counted_ranges", "is_dtensor", "model_ranks",
+__all__ = ["LocalShards", "check_replicas", "check_supported", "counted_ranges", "is_dtensor", "norm_group_ranks",
            "refuse_grad_outside_autograd", "signature", "warn_short_update"]
 
 
@@ -137,8 +137,9 @@ def signature(p: Any) -> tuple:
                         if not pl.is_replicate()))
 
 
-def model_ranks(shards: LocalShards) -> Optional[List[int]]:
-    """The model group's ranks when it has more than this one: the round's gradient norm is summed over them."""
+def norm_group_ranks(shards: LocalShards) -> Optional[List[int]]:
+    """The ranks a round's gradient norm is summed over (``shards.model_ranks``: every rank holding a part of this
+    rank's model), or ``None`` when this rank holds the whole model and its norm is already global."""
     if not shards.any or len(shards.model_ranks) == 1:
         return None
     return shards.model_ranks

@@ -47,6 +47,8 @@ from .introspection import Introspection
 from .placement import Layout
 from .loops import ElasticLoop, LoopContext, UpdateLoop
 from .mesh import LocalShards
+from .options import Options, check_arguments
+from .options import resolve as resolve_options
 from .progress import Progress
 from .rounds import OptimizerSnapshot, RoundContext, RoundKind
 from .scheduler import StreamScheduler
@@ -56,6 +58,11 @@ from .wrapped import WrappedOptimizers, class_name, placement_cost, placement_of
 __all__ = ["AccoOptimizer", "hyper_fingerprint"]
 
 log = logging.getLogger("acco")
+
+
+def _option(name: str) -> property:
+    """A read-only attribute of the resolved configuration, :attr:`AccoOptimizer.options` (docs/options.md)."""
+    return property(lambda self: getattr(self.options, name), doc=f"``options.{name}``, resolved at construction.")
 
 
 class AccoOptimizer(Introspection, torch.optim.Optimizer):
@@ -179,6 +186,25 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
     HISTORY_LIMIT = RoundDriver.HISTORY_LIMIT  # rounds kept for round_stats()
     EVENTS_KEPT = RoundDriver.EVENTS_KEPT  # CUDA: rounds whose events are held before they are settled
 
+    # The constructor's arguments as resolved (``self.options``, frozen): what every part of the optimizer reads.
+    mode = _option("mode")
+    optimizer_class = _option("optimizer_class")
+    placement = _option("placement")
+    accumulate_while_communicating = _option("accumulate_while_communicating")
+    min_microbatches = _option("min_microbatches")
+    max_microbatches = _option("max_microbatches")
+    max_grad_norm = _option("max_grad_norm")
+    nonfinite = _option("nonfinite")
+    timeout = _option("timeout")
+    synchronous_updates = _option("synchronous_updates")
+    estimate_microbatches = _option("estimate_microbatches")
+    estimate_extrapolation = _option("estimate_extrapolation")
+    delay_correction = _option("delay_correction")
+    compute_dtype = _option("compute_dtype")
+    accumulation_dtype = _option("accumulation_dtype")
+    reduce_dtype = _option("reduce_dtype")
+    estimate_dtype = _option("estimate_dtype")
+
     def __init__(
         self,
         params: Any,
@@ -206,17 +232,14 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         delay_correction: float = 0.0,
         **optimizer_kwargs: Any,
     ) -> None:
-        placement = V.check_placement_option(placement, assume_elementwise)
-        V.check_optimizer_class(optimizer_class)
-        V.check_mode(mode)
-        V.check_handoffs(mode, microbatches_per_update, accumulate_while_communicating, min_microbatches, max_microbatches)
-        V.check_clipping(max_grad_norm, nonfinite)
-        V.check_timeout(timeout)
-        V.check_synchronous_updates(accumulate_while_communicating, synchronous_updates)
-        V.check_estimate_microbatches(mode, microbatches_per_update, accumulate_while_communicating,
-                                      estimate_microbatches)
-        estimate_extrapolation = V.check_estimate_extrapolation(mode, estimate_extrapolation)
-        delay_correction = V.check_delay_correction(mode, accumulate_while_communicating, delay_correction)
+        checked = check_arguments(
+            mode=mode, optimizer_class=optimizer_class, placement=placement, assume_elementwise=assume_elementwise,
+            microbatches_per_update=microbatches_per_update,
+            accumulate_while_communicating=accumulate_while_communicating, min_microbatches=min_microbatches,
+            max_microbatches=max_microbatches, max_grad_norm=max_grad_norm, nonfinite=nonfinite, timeout=timeout,
+            synchronous_updates=synchronous_updates, estimate_microbatches=estimate_microbatches,
+            estimate_extrapolation=estimate_extrapolation, delay_correction=delay_correction)
+        placement = checked["placement"]
         groups = V.normalize_param_groups(params)
         classes = [V.group_class(g, gi, optimizer_class) for gi, g in enumerate(groups)]
         groups = V.other_class_defaults(groups, classes, optimizer_class)
@@ -230,7 +253,6 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         V.check_dtypes(self._params[0].dtype, compute_dtype)
         self._classes = classes
         kinds = {cls: placement_of(cls, placement) for cls in dict.fromkeys(classes)}
-        self.placement = placement
         index_of_group, placements, costs, start = [], [], [], 0
         for g, cls in zip(self.param_groups, classes):
             index_of_group.append(list(range(start, start + len(g["params"]))))
@@ -239,31 +261,19 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
             placements += [kinds[cls]] * len(g["params"])
             costs += [placement_cost(cls, local[i].shape, g) for i in index_of_group[-1]]
 
-        self.mode = mode
-        self.accumulate_while_communicating = bool(accumulate_while_communicating)
-        self.min_microbatches = min_microbatches
-        self.max_microbatches = max_microbatches
-        self.optimizer_class = optimizer_class
-        self.max_grad_norm = max_grad_norm
-        self.nonfinite = nonfinite
-        self.synchronous_updates = synchronous_updates
-        self.estimate_microbatches = estimate_microbatches
-        self.estimate_extrapolation = estimate_extrapolation
-        self.delay_correction = delay_correction
-        self.timeout = timeout
         self._group = V.resolve_process_group(process_group)
         self.world_size = group_size(self._group)
         self.rank = group_rank(self._group)
         device = self._params[0].device
-        self.compute_dtype = compute_dtype or self._params[0].dtype
-        self.accumulation_dtype = V.check_accumulation_dtype(accumulation_dtype, self.compute_dtype)
-        self.reduce_dtype = V.check_reduce_dtype(reduce_dtype, self.accumulation_dtype, self.compute_dtype)
-        self.estimate_dtype = V.resolve_estimate_dtype(estimate_dtype, mode, self.compute_dtype, self.reduce_dtype,
-                                                       self.world_size)
+        # The configuration, resolved once (dtypes against the parameters and the group): read-only from here on.
+        self.options: Options = resolve_options(
+            checked, param_dtype=self._params[0].dtype, world_size=self.world_size, compute_dtype=compute_dtype,
+            accumulation_dtype=accumulation_dtype, reduce_dtype=reduce_dtype, estimate_dtype=estimate_dtype)
+        o = self.options
         self._model_buffers = V.check_buffers(buffers, device)
         self._progress = Progress(torch.zeros((), dtype=torch.float64, device=device), microbatches_per_update)
         mesh.check_supported(self._shards, self._group, whole="whole" in placements,
-                             dtypes_plain=self.compute_dtype == self.accumulation_dtype == self._params[0].dtype)
+                             dtypes_plain=o.compute_dtype == o.accumulation_dtype == self._params[0].dtype)
         self.layout = Layout.build([p.shape for p in local], self.world_size, placements, costs)
         if self.layout.padding > 0.1 * self.layout.numel:
             log.warning("acco: the flat buffer holds %d elements for %d of parameters (%.0f%% padding, sent by every "
@@ -276,11 +286,11 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
             agreement.broadcast_parameters(local, self._group)
             # Rounds talk on a group of their own, so the user's collectives on the main thread can never
             # interleave with a round's.
-            round_group = new_round_group(self._group, timeout)
+            round_group = new_round_group(self._group, o.timeout)
             connect(round_group, device)  # its communicator now, from this thread, not in the first backward
-        model_group, model_ranks = None, mesh.model_ranks(self._shards)
+        model_group, model_ranks = None, mesh.norm_group_ranks(self._shards)
         if model_ranks is not None:  # the norm over the model's other shards, on a group of the rounds' own too
-            model_group = new_local_group(model_ranks, dist.get_backend(round_group or self._group), timeout)
+            model_group = new_local_group(model_ranks, dist.get_backend(round_group or self._group), o.timeout)
             connect(model_group, device)
         # Which parameters this rank counts in the global norm; plain ones must be alike on the model's ranks.
         counts = mesh.check_replicas(self._shards, model_group) if self._shards.any else None
@@ -288,16 +298,15 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         # counts) run on the main thread. With ``timeout`` they get a small CPU (gloo) group of their own that
         # honours it, so a call made on some ranks only fails within ``timeout``, not the process group's.
         self._control_group, self._control_device = self._group, device
-        if self._group is not None and timeout is not None:
+        if self._group is not None and o.timeout is not None:
             self._control_group = dist.new_group(
-                ranks=dist.get_process_group_ranks(self._group), backend="gloo", timeout=timeout,
+                ranks=dist.get_process_group_ranks(self._group), backend="gloo", timeout=o.timeout,
                 use_local_synchronization=self._group is not dist.group.WORLD,
             )
             self._control_device = torch.device("cpu")
-        self._flat = FlatBuffers(local, self.layout, self.rank, self.compute_dtype, self.accumulation_dtype,
-                                 self.reduce_dtype,
-                                 separate_grads=self.accumulate_while_communicating,
-                                 collectives=ring_algorithm(round_group), estimate_dtype=self.estimate_dtype)
+        self._flat = FlatBuffers(local, self.layout, self.rank, o.compute_dtype, o.accumulation_dtype, o.reduce_dtype,
+                                 separate_grads=o.accumulate_while_communicating,
+                                 collectives=ring_algorithm(round_group), estimate_dtype=o.estimate_dtype)
         kwargs = {cls: {} for cls in classes}
         kwargs[optimizer_class] = V.device_resident_state(optimizer_class, optimizer_kwargs, device)
         self._wrapped = WrappedOptimizers(self.layout, self.rank, self._flat.shard.master, self._flat.shard.grad,
@@ -315,10 +324,10 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         ctx = RoundContext(
             self._flat.shard, self._wrapped, round_group,
             # Scratch for Opt* (mode acco), and on the CUDA path for undoing a skipped step on the device.
-            OptimizerSnapshot() if mode == "acco" or self.scheduler.uses_streams else None,
-            max_grad_norm, nonfinite, device_checks=self.scheduler.uses_streams, extrapolation=estimate_extrapolation,
+            OptimizerSnapshot() if o.estimates or self.scheduler.uses_streams else None,
+            o.max_grad_norm, o.nonfinite, device_checks=self.scheduler.uses_streams, extrapolation=o.estimate_extrapolation,
             model_group=model_group, norm_ranges=mesh.counted_ranges(counts, self.layout.pieces(self.rank)),
-            delay_scratch=torch.empty_like(self._flat.shard.master) if delay_correction else None,
+            delay_scratch=torch.empty_like(self._flat.shard.master) if o.delay_correction else None,
         )
         self._driver = RoundDriver(ctx, self.scheduler, self._progress, self._flat, self.rank, self.world_size)
         self._finished = False
@@ -331,19 +340,17 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
             layout=self.layout, rank=self.rank, world_size=self.world_size, flat=self._flat, wrapped=self._wrapped,
             progress=self._progress, driver=self._driver, scheduler=self.scheduler, param_groups=self.param_groups,
             describe=self._describe(), gather_row=hooks.weakly(self._all_gather_row),
-            view=hooks.weakly(self._view_state), hyperparams=hooks.weakly(self._hyperparams),
+            view=hooks.weakly(self._view_state),
             collective_group=hooks.weakly(self._collective_group),
-            process_group=self._group, estimate_microbatches=estimate_microbatches,
+            process_group=self._group, estimate_microbatches=o.estimate_microbatches,
         )
         loop = LoopContext(
-            mode=mode, world_size=self.world_size, synchronous_updates=synchronous_updates,
-            delay_correction=delay_correction, estimate_microbatches=estimate_microbatches,
-            min_microbatches=min_microbatches, max_microbatches=max_microbatches, progress=self._progress,
+            options=o, world_size=self.world_size, progress=self._progress,
             driver=self._driver, flat=self._flat, round_done=self.scheduler.done, check_open=hooks.weakly(self._check_open),
-            hyperparams=hooks.weakly(self._hyperparams), clip_hint=hooks.weakly(self._clip_hint),
+            param_groups=self.param_groups,
             gather_row=hooks.weakly(self._all_gather_row), after_handoff=hooks.weakly(self._after_handoff),
         )
-        self._loop = ElasticLoop(loop) if self.accumulate_while_communicating else UpdateLoop(loop)
+        self._loop = ElasticLoop(loop) if o.accumulate_while_communicating else UpdateLoop(loop)
         self._constructed = True  # add_param_group() from here on would change the layout: refused
         self._hook_handles = hooks.install(self._params, self._on_grad_accumulated,
                                            self._on_incoming_grad if self._flat.fold_on_arrival else None)
@@ -460,13 +467,6 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
             self._ddp_checked = True
             _ddp.check_not_reducing_twice(self._params)
 
-    def _clip_hint(self) -> str:
-        if self.max_grad_norm is None:
-            return ("To clip the global gradient norm as clip_grad_norm_ does under DDP, pass max_grad_norm=... to "
-                    "AccoOptimizer and do not clip .grad yourself (HF Trainer: acco.integrations.hf.AccoTrainer "
-                    "maps max_grad_norm for you).")
-        return f"This optimizer already clips with max_grad_norm={self.max_grad_norm}: do not clip .grad yourself."
-
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         """Used by the constructor; afterwards refused: the flat layout and the shards are fixed at construction."""
         if getattr(self, "_constructed", False):
@@ -523,11 +523,6 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         already given to ``step()`` belong to the library and are kept.
         """
         self._loop.zero_grad()
-
-    def _hyperparams(self) -> List[Dict[str, Any]]:
-        return [
-            {k: (v.clone() if torch.is_tensor(v) else v) for k, v in g.items() if k != "params"} for g in self.param_groups
-        ]
 
     # ------------------------------------------------------------------ step
 

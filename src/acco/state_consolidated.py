@@ -13,6 +13,7 @@ from typing import Any, Dict, List
 import torch
 import torch.distributed as dist
 
+from .agreement import snapshot_hyperparams
 from .collectives import all_gather_flat
 from .state_format import StateOwners
 
@@ -130,4 +131,4 @@ def load_consolidated_state_dict(owners: StateOwners, sd: Dict[str, Any], params
         for key, value in saved_group.items():
             if key != "params":
                 group[key] = value
-    owners.progress.update_hyper = owners.hyperparams()
+    owners.progress.update_hyper = snapshot_hyperparams(owners.param_groups)

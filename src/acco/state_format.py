@@ -52,7 +52,7 @@ class StateOwners:
     ``progress`` (the counters), ``driver`` (the round in flight), ``param_groups`` (the live groups),
     ``describe`` (what this optimizer is: mode, optimizer classes, layout, dtypes), ``gather_row`` (the
     agreement exchange of the public collective calls), ``view`` (``(inside committed_weights(), whether the
-    round buffer then holds the model's weights)``) and ``hyperparams`` (a snapshot of the groups')."""
+    round buffer then holds the model's weights)``)."""
 
     layout: Any
     rank: int
@@ -66,7 +66,6 @@ class StateOwners:
     describe: Dict[str, Any]
     gather_row: Callable[[List[int], str], List[List[int]]]
     view: Callable[[], tuple]
-    hyperparams: Callable[[], List[Dict[str, Any]]]
     collective_group: Callable[[], Any]  # the rounds' group (idle at an update boundary), the user's after finish()
     process_group: Any
     estimate_microbatches: Optional[int] = None  # the option, checked against a loaded microbatches_per_update

@@ -13,6 +13,7 @@ import torch
 
 from . import _validation as V
 from . import state_legacy
+from .agreement import snapshot_hyperparams
 from .checksums import checksums, verify
 from .errors import CheckpointError, RanksDisagreeError
 from .progress import Progress
@@ -220,4 +221,4 @@ def load_state_dict(owners: StateOwners, sd: Dict[str, Any], checked: bool = Fal
             all_gather_flat(flat.comm_weights, flat.master.to(flat.compute_dtype), owners.collective_group())
     flat.reset()
     restore_hyper(owners.param_groups, sd["hyper"])
-    owners.progress.update_hyper = owners.hyperparams()
+    owners.progress.update_hyper = snapshot_hyperparams(owners.param_groups)
