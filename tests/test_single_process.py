@@ -164,7 +164,8 @@ def test_a_loaded_or_set_update_not_longer_than_estimate_microbatches_is_refused
 
 def test_a_finished_optimizer_is_freed_when_dropped_without_the_garbage_collector():
     """Check that dropping a finished optimizer frees it (and its buffers) at once, with the collector off:
-    its loop and its state's owners hold its methods weakly. They held them strongly, a cycle that kept a
+    no part of it (its loop, its state's owners, its session) refers back to it. Its parts once held its
+    methods strongly, a cycle that kept a
     dropped optimizer's buffers (9 parameter copies at one rank) on the GPU until a collection (found
     after the first GPU run). The process's first optimizer is built and dropped first: torch's first use
     leaves a collectable cycle through it that later ones do not have."""

@@ -171,7 +171,7 @@ def sync_buffers(buffers: Sequence[torch.Tensor], group: Optional[dist.ProcessGr
 
 def check_same_round_count(gather_row: Callable[[List[int], str], List[List[int]]], num_rounds: int) -> None:
     """Raise on every rank if the ranks handed off different numbers of rounds. Collective (``gather_row``: the
-    optimizer's :meth:`~acco.AccoOptimizer._all_gather_row`)."""
+    optimizer's :meth:`acco.session.Session.gather_row`)."""
     counts = [row[0] for row in gather_row([num_rounds], "finish()")]
     if len(set(counts)) > 1:
         raise RuntimeError(

@@ -3,7 +3,7 @@ torch.distributed.checkpoint (DCP, any world size at load), one file written by 
 rank (:func:`gather`), and a consolidated format for moving to and from a plain
 optimizer.
 
-What a state dict holds is :mod:`acco.state_format` (format 3: per parameter,
+What a state dict holds is :mod:`acco.state.format` (format 3: per parameter,
 each rank's pieces keyed by parameter index and first element, never
 ``id(p)``). ``load_state_dict`` refuses a state dict of another mode, optimizer
 class, model, rank or world size, or a plain torch optimizer's, before changing
@@ -31,14 +31,14 @@ from typing import TYPE_CHECKING, Any, Dict, Optional
 import torch
 import torch.distributed as dist
 
-from . import state_legacy
+from .state import legacy as state_legacy
 from .agreement import first_line
-from .checksums import CheckpointError, checksums, replicated_only, verify
+from .state.checksums import CheckpointError, checksums, replicated_only, verify
 from .progress import Progress
-from .state_format import FORMAT_VERSION, GATHERED, IMPLEMENTATION_FLAGS, check_compatible, decode_meta, parse_piece_key
-from . import state_io
-from .state_io import check_loadable, load_state_dict
-from .state_pieces import scalar_state, wanted
+from .state.format import FORMAT_VERSION, GATHERED, IMPLEMENTATION_FLAGS, check_compatible, decode_meta, parse_piece_key
+from .state import io as state_io
+from .state.io import check_loadable, load_state_dict
+from .state.pieces import scalar_state, wanted
 
 if TYPE_CHECKING:  # pragma: no cover
     from .optimizer import AccoOptimizer
@@ -114,7 +114,7 @@ def gather(optimizer: "AccoOptimizer", *, model: Optional[torch.nn.Module] = Non
 def _same_call(optimizer: "AccoOptimizer", call: str) -> None:
     """Before a checkpoint call's first collective: every rank is in this call (else all raise, naming the calls)."""
     if dist.is_initialized():
-        optimizer._owners.gather_row([0], call)
+        optimizer._owners.session.gather_row([0], call)
 
 
 def _rank0(group) -> bool:

@@ -20,7 +20,7 @@ import torch
 
 from .collectives import destroy_spare_round_groups
 
-__all__ = ["close_unfinished", "install", "refuse_reentrant_backward", "weakly"]
+__all__ = ["close_unfinished", "install", "refuse_reentrant_backward"]
 
 _UNFINISHED: Dict[int, "weakref.finalize"] = {}  # the closer of each optimizer not finished yet
 
@@ -43,21 +43,6 @@ def close_unfinished(owner: Any, closer: Callable[[], None]) -> "weakref.finaliz
 def _close(key: int, closer: Callable[[], None]) -> None:
     _UNFINISHED.pop(key, None)
     closer()
-
-
-def weakly(method: Callable[..., Any]) -> Callable[..., Any]:
-    """``method`` (bound to the optimizer) held weakly, for the optimizer's own parts (its loop, its state's
-    owners): a strong reference back would make a cycle, and a dropped optimizer's buffers would stay allocated
-    until a garbage collection (device memory, on a GPU). Calling it once the optimizer is gone raises."""
-    ref, name = weakref.WeakMethod(method), method.__qualname__  # the name, not the method: no strong reference
-
-    def call(*args: Any, **kwargs: Any) -> Any:
-        bound = ref()
-        if bound is None:
-            raise ReferenceError(f"{name}: its AccoOptimizer was dropped")
-        return bound(*args, **kwargs)
-
-    return call
 
 
 def install(params: Sequence[torch.Tensor], accumulated: Callable[[int], None],

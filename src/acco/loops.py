@@ -11,8 +11,8 @@
   keeps accumulating instead of waiting.
 
 Both move the counters of ``progress.py`` and hand off through
-``driver.py``; what follows a hand-off is the optimizer's (``LoopContext.after_handoff``). Each loop gets
-what it needs handed to it in a :class:`LoopContext`, never the optimizer itself.
+``driver.py``; what follows a hand-off is :func:`after_handoff`. Each loop gets what it needs handed to it in a
+:class:`LoopContext`, never the optimizer itself nor a callback into it.
 """
 
 from __future__ import annotations
@@ -21,12 +21,14 @@ import logging
 from dataclasses import dataclass
 from typing import Any, Callable, Dict, List, Optional
 
+import torch
+
 from . import _validation as V
-from .agreement import snapshot_hyperparams
+from .agreement import snapshot_hyperparams, sync_buffers
 from .options import Options
 from .rounds import RoundKind, round_kind
 
-__all__ = ["ElasticLoop", "LoopContext", "UpdateLoop"]
+__all__ = ["ElasticLoop", "LoopContext", "UpdateLoop", "after_handoff"]
 
 log = logging.getLogger("acco")
 
@@ -42,10 +44,24 @@ class LoopContext:
     driver: Any
     flat: Any
     round_done: Callable[[], bool]  # whether the in-flight round has finished (the scheduler's)
-    check_open: Callable[[], None]
+    session: Any  # the agreement exchange and whether training may go on (session.py)
     param_groups: List[Dict[str, Any]]  # the optimizer's live groups: each hand-off takes their values then
-    gather_row: Callable[[List[int], str], List[List[int]]]
-    after_handoff: Callable[[RoundKind, bool], None]
+    lr_schedulers: List[Any]  # attached schedulers, stepped at each commit (the optimizer's list, shared)
+    model_buffers: List[torch.Tensor]  # buffers= : the first rank's, at each commit
+    group: Any  # the user's group (None: one process)
+
+
+def after_handoff(c: LoopContext, kind: RoundKind, synchronous: bool) -> None:
+    """After a hand-off, in both loops: a synchronous round completes and its weights go into the model; a commit
+    ends the update (a checkpoint boundary; attached schedulers step, model buffers are broadcast: collective)."""
+    if synchronous:
+        c.driver.collect()
+        c.driver.install_pending()
+    if kind is RoundKind.COMMIT:
+        c.progress.at_boundary = True
+        for scheduler in c.lr_schedulers:
+            scheduler.step()  # schedules count committed updates
+        sync_buffers(c.model_buffers, c.group)
 
 
 class UpdateLoop:
@@ -65,7 +81,7 @@ class UpdateLoop:
         m = p.microbatches_per_update
         if (c.options.estimates and m is not None and not p.estimate_in_update and p.mb_in_update == self.estimate_at(m)
                 and p.commits_handed_off >= c.options.synchronous_updates):
-            c.check_open()
+            c.session.check_open()
             p.update_hyper = snapshot_hyperparams(c.param_groups)  # both rounds of one update use the same
             c.driver.handoff(RoundKind.ESTIMATE, p.mb_in_update, m / (p.mb_in_update * c.world_size))
             p.estimate_in_update = True
@@ -119,11 +135,11 @@ class UpdateLoop:
         c.driver.handoff(RoundKind.COMMIT, m, 1.0 / c.world_size, 0.0 if synchronous else c.options.delay_correction)
         p.mb_in_update = 0
         p.estimate_in_update = False
-        c.after_handoff(RoundKind.COMMIT, synchronous)
+        after_handoff(c, RoundKind.COMMIT, synchronous)
 
     def _learn_microbatches(self, m: int) -> None:
         """Mode acco without microbatches_per_update: the first update's count, the same on every rank."""
-        counts = [row[0] for row in self.ctx.gather_row([m], "step() (the first update)")]
+        counts = [row[0] for row in self.ctx.session.gather_row([m], "step() (the first update)")]
         if len(set(counts)) > 1:
             raise RuntimeError(
                 f"AccoOptimizer.step(): the ranks ran different numbers of micro-batches in the first update "
@@ -173,4 +189,4 @@ class ElasticLoop:
         if not c.options.estimates or kind is RoundKind.ESTIMATE:
             p.update_hyper = snapshot_hyperparams(c.param_groups)  # both rounds of one acco update use the same
         c.driver.handoff(kind, count, None)
-        c.after_handoff(kind, c.options.synchronous)
+        after_handoff(c, kind, c.options.synchronous)

@@ -36,7 +36,8 @@ import torch.distributed as dist
 
 from . import _validation as V
 from . import agreement
-from . import state_consolidated, state_io
+from .state import consolidated as state_consolidated
+from .state import io as state_io
 from . import ddp as _ddp
 from . import hooks, mesh
 from .agreement import hyper_fingerprint
@@ -52,7 +53,8 @@ from .options import resolve as resolve_options
 from .progress import Progress
 from .rounds import OptimizerSnapshot, RoundContext, RoundKind
 from .scheduler import StreamScheduler
-from .state_format import FORMAT_VERSION, StateOwners
+from .session import Session
+from .state.format import FORMAT_VERSION, StateOwners
 from .wrapped import WrappedOptimizers, class_name, placement_cost, placement_of
 
 __all__ = ["AccoOptimizer", "hyper_fingerprint"]
@@ -297,13 +299,13 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         # The agreement gathers of the public collective calls (which call every rank is in, refusals, round
         # counts) run on the main thread. With ``timeout`` they get a small CPU (gloo) group of their own that
         # honours it, so a call made on some ranks only fails within ``timeout``, not the process group's.
-        self._control_group, self._control_device = self._group, device
+        control_group, control_device = self._group, device
         if self._group is not None and o.timeout is not None:
-            self._control_group = dist.new_group(
+            control_group = dist.new_group(
                 ranks=dist.get_process_group_ranks(self._group), backend="gloo", timeout=o.timeout,
                 use_local_synchronization=self._group is not dist.group.WORLD,
             )
-            self._control_device = torch.device("cpu")
+            control_device = torch.device("cpu")
         self._flat = FlatBuffers(local, self.layout, self.rank, o.compute_dtype, o.accumulation_dtype, o.reduce_dtype,
                                  separate_grads=o.accumulate_while_communicating,
                                  collectives=ring_algorithm(round_group), estimate_dtype=o.estimate_dtype)
@@ -330,25 +332,22 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
             delay_scratch=torch.empty_like(self._flat.shard.master) if o.delay_correction else None,
         )
         self._driver = RoundDriver(ctx, self.scheduler, self._progress, self._flat, self.rank, self.world_size)
-        self._finished = False
-        self._in_committed_view = False
-        self._view_swapped = False
+        # The agreement exchange, the lifecycle flags and the committed-weights view: one owner that the loop and
+        # the state code are handed by reference, so that neither calls back into the optimizer.
+        self._session = Session(self._group, control_group, control_device, self._driver)
         self._ddp_checked = False
-        self._lr_schedulers: List[Any] = []
+        self._lr_schedulers: List[Any] = []  # attached with attach_lr_scheduler(): stepped at each commit
         self._backward_queued = -1  # id of the autograd graph task whose end-of-backward callback is queued
         self._owners = StateOwners(
             layout=self.layout, rank=self.rank, world_size=self.world_size, flat=self._flat, wrapped=self._wrapped,
             progress=self._progress, driver=self._driver, scheduler=self.scheduler, param_groups=self.param_groups,
-            describe=self._describe(), gather_row=hooks.weakly(self._all_gather_row),
-            view=hooks.weakly(self._view_state),
-            collective_group=hooks.weakly(self._collective_group),
-            process_group=self._group, estimate_microbatches=o.estimate_microbatches,
+            describe=self._describe(), session=self._session, process_group=self._group, estimate_microbatches=o.estimate_microbatches,
         )
         loop = LoopContext(
             options=o, world_size=self.world_size, progress=self._progress,
-            driver=self._driver, flat=self._flat, round_done=self.scheduler.done, check_open=hooks.weakly(self._check_open),
-            param_groups=self.param_groups,
-            gather_row=hooks.weakly(self._all_gather_row), after_handoff=hooks.weakly(self._after_handoff),
+            driver=self._driver, flat=self._flat, round_done=self.scheduler.done, session=self._session,
+            param_groups=self.param_groups, lr_schedulers=self._lr_schedulers, model_buffers=self._model_buffers,
+            group=self._group,
         )
         self._loop = ElasticLoop(loop) if o.accumulate_while_communicating else UpdateLoop(loop)
         self._constructed = True  # add_param_group() from here on would change the layout: refused
@@ -394,7 +393,7 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
     @property
     def finished(self) -> bool:
         """Whether :meth:`finish` has ended training with this optimizer (a later ``step()`` raises)."""
-        return self._finished
+        return self._session.finished
 
     @property
     def local_optimizer(self) -> torch.optim.Optimizer:
@@ -438,30 +437,6 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ checks
 
-    def _all_gather_row(self, row: List[int], call: str) -> List[List[int]]:
-        """Every rank's ``row`` of ints, in rank order, as part of public call ``call``. Collective: first on the
-        rounds' group (a rank still in a round meets the call there: ``RoundDriver.agree_on_rounds``), then on
-        the control group (the user's group, or with ``timeout`` a gloo group that honours it); without a group,
-        this process's row alone."""
-        if self._group is None:
-            return [list(row)]
-        if call in agreement.CALLS_AFTER_ROUNDS:
-            self._driver.agree_on_rounds(agreement.COLLECTIVE_CALLS.index(call))
-        return agreement.all_gather_row(self._control_group, row, self._control_device, call)
-
-    def _check_open(self) -> None:
-        self._driver.check_not_failed()
-        if self._finished:
-            raise RuntimeError(
-                "AccoOptimizer.step() after finish(): finish() ends training with this optimizer; "
-                "build a new AccoOptimizer to train further"
-            )
-        if self._in_committed_view:
-            raise RuntimeError(
-                "AccoOptimizer: training inside opt.committed_weights(): the block is for evaluating or saving "
-                "the committed weights; call backward()/step() after it"
-            )
-
     def _check_ddp_once(self) -> None:
         if not self._ddp_checked:
             self._ddp_checked = True
@@ -481,7 +456,7 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
 
     def _on_grad_accumulated(self, index: int) -> None:
         """Post-accumulate-grad hook of parameter ``index`` (inside backward)."""
-        if self._in_committed_view:
+        if self._session.in_view:
             raise RuntimeError("AccoOptimizer: backward() inside opt.committed_weights(); call it after the block")
         if self._shards.any:
             self._shards.take_grad(index)  # the DTensor gradient's local shard into the buffer
@@ -498,7 +473,7 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
 
     def _on_incoming_grad(self, index: int, grad: torch.Tensor) -> None:
         """Pre-hook of parameter ``index``'s gradient accumulator (``fold_on_arrival``): into the fp32 sum."""
-        if not self._finished:
+        if not self._session.finished:
             self._flat.add_incoming(index, grad)
 
     def _end_of_backward(self) -> None:
@@ -537,7 +512,7 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         micro-batch; it hands off a round only when one can start.
         Collective: call on all ranks.
         """
-        self._check_open()
+        self._session.check_open()
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -548,18 +523,6 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
             mesh.warn_short_update(self.mode, self._progress.mb_in_update, self._progress.microbatches_per_update)
         self._loop.step()
         return loss
-
-    def _after_handoff(self, kind: RoundKind, synchronous: bool) -> None:
-        """After a hand-off, in both loops: a synchronous round completes and its weights go into the model;
-        a commit ends the update (a checkpoint boundary; attached schedulers and model buffers move)."""
-        if synchronous:
-            self._driver.collect()
-            self._driver.install_pending()
-        if kind is RoundKind.COMMIT:
-            self._progress.at_boundary = True
-            for scheduler in self._lr_schedulers:
-                scheduler.step()  # schedules count committed updates
-            agreement.sync_buffers(self._model_buffers, self._group)
 
     # ------------------------------------------------------------------ the committed weights, the end
 
@@ -572,7 +535,8 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         Waits for the in-flight round. Local (no collective); re-entrant.
         No ``backward()``/``step()`` inside the block.
         """
-        if self._in_committed_view:
+        s = self._session
+        if s.in_view:
             yield
             return
         self._driver.check_not_failed()
@@ -580,12 +544,12 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         swap = self._progress.pending is RoundKind.COMMIT
         if swap:
             self._flat.swap_model_and_comm()
-        self._in_committed_view = True
-        self._view_swapped = swap  # the comm buffer holds the model's own weights meanwhile (checkpoints read them)
+        s.in_view = True
+        s.view_swapped = swap  # the comm buffer holds the model's own weights meanwhile (checkpoints read them)
         try:
             yield
         finally:
-            self._in_committed_view = self._view_swapped = False
+            s.in_view = s.view_swapped = False
             if swap:
                 self._flat.swap_model_and_comm()
 
@@ -601,18 +565,18 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         Collective: call on all ranks.
         """
         if self._failed is not None:  # no collective, no wait: a peer may be gone
-            if not self._finished:
-                self._finished = True
+            if not self._session.finished:
+                self._session.finished = True
                 self._driver.close_at_exit()  # no wait for a stuck round: its group is aborted
                 self._remove_hooks()
             raise RuntimeError("AccoOptimizer.finish(): a previous round failed; nothing to finish") from self._failed
-        if self._finished:
+        if self._session.finished:
             return
-        if self._in_committed_view:
+        if self._session.in_view:
             raise RuntimeError("AccoOptimizer.finish() inside opt.committed_weights(): call it after the block")
         try:
             try:
-                agreement.check_same_round_count(self._all_gather_row, self.num_rounds)
+                agreement.check_same_round_count(self._session.gather_row, self.num_rounds)
             except RuntimeError as exc:  # the counts differ, or a peer is gone: no round can complete
                 self._failed = exc
                 raise
@@ -620,20 +584,12 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
             self._driver.install_pending(commits_only=True)
             self._driver.read_reports()  # CUDA path: errors the device found in the last rounds
         finally:
-            self._finished = True
+            self._session.finished = True
             self._driver.close(ok=self._failed is None)
         self._flat.drop_accumulated()
         self._progress.holds_estimate = False
         self._progress.start_window()
         self._remove_hooks()
-
-    def _view_state(self) -> Tuple[bool, bool]:
-        """(inside committed_weights(), the view swapped the model's weights): what a checkpoint must know."""
-        return self._in_committed_view, self._view_swapped
-
-    def _collective_group(self) -> Optional[dist.ProcessGroup]:
-        """The group a checkpoint's collectives use: the rounds' own, else the optimizer's."""
-        return self._driver.ctx.group if self._driver.ctx.group is not None else self._group
 
     def _remove_hooks(self) -> None:
         """A finished optimizer no longer reacts to backward (a new one may own the parameters)."""
@@ -698,7 +654,7 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         parameter's state that of its class, by its index in this optimizer's groups). Collective."""
         self._refuse_mesh("consolidated_state_dict()")
         state_io.require_boundary(self._owners, "consolidated_state_dict")
-        self._all_gather_row([0], "consolidated_state_dict()")  # every rank is here (not one update ahead)
+        self._session.gather_row([0], "consolidated_state_dict()")  # every rank is here (not one update ahead)
         return state_consolidated.consolidated_state_dict(self._owners)
 
     def load_consolidated_state_dict(self, state_dict: Dict[str, Any]) -> None:

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from .checksums import _leaves, _partial_checksum
-from .state_format import piece_key
+from .format import piece_key
 
 __all__ = ["checksums", "dcp_checksums", "dcp_target", "is_legacy", "to_saved"]
 
@@ -32,7 +32,7 @@ def _local(t: Any) -> torch.Tensor:
 
 def to_saved(layout: Any, rank: int, sd: Dict[str, Any]) -> Dict[str, Any]:
     """This rank's format-2 slice (a state dict of its own, or what :func:`dcp_target` read) as format-3
-    pieces (``state_pieces.Saved`` reads the result)."""
+    pieces (``pieces.Saved`` reads the result)."""
     master, params = _local(sd["master"]), _local(sd["params"])
     state = {k: _local(v) for k, v in sd["state"].items()}
     out: Dict[str, Dict[str, Any]] = {"master": {}, "params": {}, "state": {}, "entries": {}, "scalars": {}}

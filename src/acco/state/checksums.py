@@ -15,8 +15,8 @@ from typing import Any, Dict, Optional
 import torch
 import torch.distributed as dist
 
-from .errors import CheckpointError
-from .mesh import is_dtensor
+from ..errors import CheckpointError
+from ..mesh import is_dtensor
 
 __all__ = ["CheckpointError", "checksums", "replicated_only", "verify"]
 

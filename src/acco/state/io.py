@@ -1,8 +1,8 @@
 """Taking and restoring an optimizer's state: ``opt.state_dict()``, its DCP form, and ``opt.load_state_dict()``
 with everything a load refuses (agreed on by every rank before any rank changes anything).
 
-The entries are :mod:`acco.state_pieces`'s, their description :mod:`acco.state_format`'s; format 2 is read
-through :mod:`acco.state_legacy`. The optimizer hands in the owners of its state (:class:`StateOwners`).
+The entries are :mod:`acco.state.pieces`'s, their description :mod:`acco.state.format`'s; format 2 is read
+through :mod:`acco.state.legacy`. The optimizer hands in the owners of its state (:class:`StateOwners`).
 """
 
 from __future__ import annotations
@@ -11,13 +11,13 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from . import _validation as V
-from . import state_legacy
-from .agreement import snapshot_hyperparams
+from .. import _validation as V
+from . import legacy as state_legacy
+from ..agreement import snapshot_hyperparams
 from .checksums import checksums, verify
-from .errors import CheckpointError, RanksDisagreeError
-from .progress import Progress
-from .state_format import (
+from ..errors import CheckpointError, RanksDisagreeError
+from ..progress import Progress
+from .format import (
     SHARD_FIX,
     ShardOfAnotherRankError,
     StateOwners,
@@ -29,7 +29,7 @@ from .state_format import (
     own_entry,
     restore_hyper,
 )
-from .state_pieces import Saved, entries, restore
+from .pieces import Saved, entries, restore
 
 __all__ = ["check_loadable", "load_state_dict", "require_boundary", "state_dict"]
 
@@ -38,7 +38,7 @@ def require_boundary(owners: StateOwners, what: str) -> None:
     failed = owners.driver.failed
     if failed is not None:
         raise RuntimeError(f"AccoOptimizer.{what}(): a previous round failed") from failed
-    in_view, _ = owners.view()
+    in_view = owners.session.in_view
     if what.startswith("load") and in_view:
         raise RuntimeError(f"AccoOptimizer.{what}() inside opt.committed_weights(): load after the block")
     if not owners.progress.at_boundary:
@@ -84,7 +84,7 @@ def _agree(owners: StateOwners, error: Optional[BaseException], file_rank: int) 
     (one rank loading while another refused would leave the ranks in different collectives), each naming what
     the refusing ranks were given when it is the common mix-up (one rank's file on every rank: then the rank
     whose own file it is says so too, whatever else it found wrong). Collective."""
-    rows = owners.gather_row([int(error is not None), file_rank], "load_state_dict() / acco.checkpoint.load()")
+    rows = owners.session.gather_row([int(error is not None), file_rank], "load_state_dict() / acco.checkpoint.load()")
     refused = [r for r, row in enumerate(rows) if row[0]]
     files = {row[1] for row in rows}
     if refused and len(rows) > 1 and len(files) == 1 and min(files) >= 0:
@@ -116,7 +116,7 @@ def check_model_matches(owners: StateOwners, saved: Saved, counters: torch.Tenso
     """Refuse a model that is not the one this optimizer state was saved with (a model and an optimizer from
     different checkpoints). Free to check: the model was saved with the committed weights, which are the fp32
     master's (in bf16 its rounding), or with the weights for the next micro-batch (``params``). Local."""
-    _, swapped = owners.view()
+    swapped = owners.session.view_swapped
     pieces = owners.layout.pieces(owners.rank)
     diff, ok = 0.0, True
     for i, _ in owners.wrapped.held():
@@ -215,10 +215,10 @@ def load_state_dict(owners: StateOwners, sd: Dict[str, Any], checked: bool = Fal
     restore(owners, _saved(owners, sd, info))
     flat = owners.flat
     if owners.progress.load_tensor(sd["counters"]):  # a commit collected at save time: in at the next hand-off
-        from .collectives import all_gather_flat
+        from ..collectives import all_gather_flat
 
         with torch.no_grad():
-            all_gather_flat(flat.comm_weights, flat.master.to(flat.compute_dtype), owners.collective_group())
+            all_gather_flat(flat.comm_weights, flat.master.to(flat.compute_dtype), owners.session.collective_group())
     flat.reset()
     restore_hyper(owners.param_groups, sd["hyper"])
     owners.progress.update_hyper = snapshot_hyperparams(owners.param_groups)

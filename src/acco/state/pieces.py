@@ -1,4 +1,4 @@
-"""This rank's pieces of the state (format 3, :mod:`acco.state_format`): taking them, and putting back any set
+"""This rank's pieces of the state (format 3, :mod:`acco.state.format`): taking them, and putting back any set
 of saved pieces that covers this rank's, whatever layout and number of ranks saved them (resharding).
 
 Local (no collective), except :func:`restore`, which all-gathers the model's weights.
@@ -11,8 +11,8 @@ from typing import Any, Dict, List, Tuple
 import torch
 
 from .checksums import CheckpointError
-from .collectives import all_gather_flat
-from .state_format import StateOwners, parse_piece_key, piece_key
+from ..collectives import all_gather_flat
+from .format import StateOwners, parse_piece_key, piece_key
 
 __all__ = ["Saved", "entries", "restore", "scalar_state", "wanted"]
 
@@ -24,7 +24,7 @@ def entries(owners: StateOwners) -> Dict[str, Dict[str, Any]]:
     weights for the next micro-batch), ``state`` (the wrapped optimizer's tensors, 1-D for a slice, their own
     shape for a tensor placed whole) and ``entries`` (how many); per parameter this rank steps ``"i"``, its
     ``scalars`` (AdamW's ``step``: the same in every piece of a parameter, so on every rank that steps one)."""
-    _, swapped = owners.view()
+    swapped = owners.session.view_swapped
     pieces = owners.layout.pieces(owners.rank)
     out: Dict[str, Dict[str, Any]] = {"master": {}, "params": {}, "state": {}, "entries": {}, "scalars": {}}
     for i, _ in owners.wrapped.held():
@@ -156,7 +156,7 @@ def restore(owners: StateOwners, saved: Saved) -> None:
             if state:
                 wrapped.set_state(i, state)
         # every rank's pieces of the model's weights, into the idle round buffer, then into the parameters
-        all_gather_flat(flat.comm_weights, chunk, owners.collective_group())
+        all_gather_flat(flat.comm_weights, chunk, owners.session.collective_group())
         flat.install(owners.scheduler)
 
 

@@ -13,9 +13,9 @@ from typing import Any, Dict, List
 import torch
 import torch.distributed as dist
 
-from .agreement import snapshot_hyperparams
-from .collectives import all_gather_flat
-from .state_format import StateOwners
+from ..agreement import snapshot_hyperparams
+from ..collectives import all_gather_flat
+from .format import StateOwners
 
 __all__ = ["consolidated_state_dict", "load_consolidated_state_dict"]
 
@@ -31,7 +31,7 @@ def consolidated_state_dict(owners: StateOwners) -> Dict[str, Any]:
                           for k, v in wrapped.state_of(i).items() if torch.is_tensor(v) and v.dim() >= 1})
     sliced_keys = _agreed(sliced_keys, owners)
     per_param: Dict[int, Dict[str, Any]] = {}
-    group = owners.collective_group()
+    group = owners.session.collective_group()
     for key in sliced_keys:  # one flat all-gather per element-wise state key: each rank fills its pieces
         chunk = torch.zeros(layout.shard_size, dtype=master.dtype, device=master.device)
         for i, _ in wrapped.held():
@@ -105,7 +105,7 @@ def load_consolidated_state_dict(owners: StateOwners, sd: Dict[str, Any], params
     model's current weights: load them first. Local: each rank keeps its pieces."""
     check_consolidated(owners, sd, params)
     layout, wrapped, flat = owners.layout, owners.wrapped, owners.flat
-    _, swapped = owners.view()
+    swapped = owners.session.view_swapped
     owners.driver.collect()
     owners.progress.pending = None  # the master comes from the model's weights: those are now the committed ones
     owners.progress.holds_estimate = False

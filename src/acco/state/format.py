@@ -18,9 +18,9 @@ optimizer(s), layout, dtypes, and the rank and world size it was taken on) or
 ``meta`` (the sharded form for DCP: the same less rank and world size, as
 tensors). Each rank's pieces have keys of their own, so DCP writes every piece
 once, from the rank that holds it, and any number of ranks reads back the
-pieces that overlap its own (:mod:`acco.state_pieces`). Format 2 (flat
+pieces that overlap its own (:mod:`acco.state.pieces`). Format 2 (flat
 tensors of all parameters end to end, before whole-tensor placement) is read
-by :mod:`acco.state_legacy`.
+by :mod:`acco.state.legacy`.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from .errors import ShardOfAnotherRankError
+from ..errors import ShardOfAnotherRankError
 
 __all__ = ["FORMAT_VERSION", "GATHERED", "ShardOfAnotherRankError", "SHARD_FIX", "IMPLEMENTATION_FLAGS", "StateOwners", "check_compatible", "classify",
            "decode_meta", "encode_meta", "hyper_entries", "own_entry", "piece_key", "parse_piece_key",
@@ -50,9 +50,9 @@ class StateOwners:
 
     ``layout`` (where every parameter lives), ``flat`` (the buffers), ``wrapped`` (the wrapped optimizers),
     ``progress`` (the counters), ``driver`` (the round in flight), ``param_groups`` (the live groups),
-    ``describe`` (what this optimizer is: mode, optimizer classes, layout, dtypes), ``gather_row`` (the
-    agreement exchange of the public collective calls), ``view`` (``(inside committed_weights(), whether the
-    round buffer then holds the model's weights)``)."""
+    ``describe`` (what this optimizer is: mode, optimizer classes, layout, dtypes) and ``session``
+    (the agreement exchange of the public collective calls, the group checkpoints' collectives use, and whether
+    the call is made inside ``committed_weights()`` with the round buffer holding the model's weights)."""
 
     layout: Any
     rank: int
@@ -64,9 +64,7 @@ class StateOwners:
     scheduler: Any
     param_groups: List[Dict[str, Any]]
     describe: Dict[str, Any]
-    gather_row: Callable[[List[int], str], List[List[int]]]
-    view: Callable[[], tuple]
-    collective_group: Callable[[], Any]  # the rounds' group (idle at an update boundary), the user's after finish()
+    session: Any  # the agreement exchange, the collectives' group, the committed-weights view (session.py)
     process_group: Any
     estimate_microbatches: Optional[int] = None  # the option, checked against a loaded microbatches_per_update
 
