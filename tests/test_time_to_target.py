@@ -455,3 +455,32 @@ def test_a_niced_studys_ranks_give_their_niceness_to_their_own_session(monkeypat
     assert group.read_text() == "19"
     instrument.nice_in_own_session(str(tmp_path / "absent"))  # no autogroup: nothing to do, no error
     assert not (tmp_path / "absent").exists()
+
+
+def test_muon_runs_the_split_with_muons_lr_on_the_line_and_adamws_as_the_schedules_peak(tmp_path, monkeypatch):
+    """With --optimizer muon a line's LR is Muon's: the loops get --optimizer_name=muon --muon_lr=<line LR>, the
+    schedule's peak (learning_rate, and min_lr in a trunk and a branch) is --adamw-lr, the records say so in their
+    config (so Muon's and AdamW's never mix), the trunks have folders of their own, and the records and the
+    report default to Muon's own files."""
+    ttt = _tool()
+    args = ttt.parse(["--optimizer", "muon", "--adamw-lr", "0.002", "--lr", "0.04", "--workdir", str(tmp_path)])
+    assert args.records.name == "ttt_muon.jsonl" and args.doc.name == "time-to-target-muon.md"
+    assert ttt.config_of(args)["optimizer"] == "muon" and ttt.config_of(args)["adamw_lr"] == 0.002
+    assert "optimizer" not in ttt.config_of(ttt.parse(["--workdir", str(tmp_path)]))
+    line = {"method": "acco-bf16", "lr": 0.04, "warmup": 100, "seed": 1, "branches": [], "search": [(50, 0.1)]}
+    flags = ttt.overrides_of(args, line)
+    assert "--learning_rate=0.002" in flags and "--optimizer_name=muon" in flags and "--muon_lr=0.04" in flags
+    assert ttt.trunk_dir(args, line).name.endswith("-muon")
+
+    launched = []
+    monkeypatch.setattr(ttt, "launch", lambda script, flags, overrides, out: launched.append(overrides) or (
+        [{"iter": 0, "val_loss": 1.0}], [{"train_loss": 1.0, "time": 1.0}], None, 1.0))
+    monkeypatch.setattr(ttt, "extendable", lambda *a: None)
+    ttt.run_trunk(args, line, 40)
+    ckpt = ttt.trunk_dir(args, line) / f"ckpt-{ttt.start_of(50, args.cooldown_frac)}.pt"
+    ckpt.parent.mkdir(parents=True, exist_ok=True)
+    ckpt.touch()
+    ttt.run_branch(args, {"kind": "branch", "line": line, "T": 50, "floor": 0.1}, tmp_path)
+    trunk, branch = launched
+    assert "--min_lr=0.002" in trunk and "--muon_lr=0.04" in trunk
+    assert any(f.startswith("--min_lr=0.0002") for f in branch) and "--muon_lr=0.04" in branch

@@ -91,7 +91,14 @@ def config_of(args: argparse.Namespace) -> dict:
         "n_layer": args.n_layer, "n_head": args.n_head, "n_embd": args.n_embd, "block_size": args.block_size,
         "batch_size": args.batch_size, "gradient_accumulation_steps": args.accum, "eval_interval": args.eval_interval,
         "eval_iters": args.eval_iters, "world_size": 2, "schedule": "wsd", "cooldown_frac": args.cooldown_frac,
+        **({"optimizer": "muon", "adamw_lr": args.adamw_lr} if args.optimizer == "muon" else {}),
     }
+
+
+def base_lr(args: argparse.Namespace, line: dict) -> float:
+    """The schedule's peak (the loops' ``learning_rate``): the line's LR, or with Muon the AdamW groups' (the
+    line's LR is then Muon's, scaled by the same schedule: examples/nanogpt/optim.py's ``lr_scale``)."""
+    return args.adamw_lr if args.optimizer == "muon" else line["lr"]
 
 
 def lines(args: argparse.Namespace) -> List[dict]:
@@ -149,7 +156,8 @@ def branch_key(r: dict) -> tuple:
 
 
 def trunk_dir(args: argparse.Namespace, line: dict) -> Path:
-    return args.workdir / f"{line['method']}-lr{line['lr']:g}-w{line['warmup']}-s{line['seed']}"
+    muon = "-muon" if args.optimizer == "muon" else ""
+    return args.workdir / f"{line['method']}-lr{line['lr']:g}-w{line['warmup']}-s{line['seed']}{muon}"
 
 
 # ----------------------------------------------------------------------------- what the records say
@@ -227,7 +235,8 @@ def next_job(args: argparse.Namespace, records: List[dict]) -> Optional[dict]:
 
 
 def overrides_of(args: argparse.Namespace, line: dict) -> List[str]:
-    return [f"--seed={line['seed']}", f"--learning_rate={line['lr']}", f"--warmup_iters={line['warmup']}",
+    muon = ["--optimizer_name=muon", f"--muon_lr={line['lr']}"] if args.optimizer == "muon" else []
+    return [f"--seed={line['seed']}", f"--learning_rate={base_lr(args, line)}", *muon, f"--warmup_iters={line['warmup']}",
             f"--n_layer={args.n_layer}", f"--n_head={args.n_head}", f"--n_embd={args.n_embd}",
             f"--block_size={args.block_size}", f"--batch_size={args.batch_size}",
             f"--gradient_accumulation_steps={args.accum}", f"--eval_interval={args.eval_interval}",
@@ -256,7 +265,7 @@ def run_trunk(args: argparse.Namespace, line: dict, length: Optional[int] = None
     keeps = ",".join(str(i) for i in trunk_keeps(args))
     length = length or trunk_length(args, line)
     overrides = overrides_of(args, line) + [
-        f"--max_iters={length}", "--cooldown_iters=0", f"--min_lr={line['lr']}", f"--keep_ckpts={keeps}"]
+        f"--max_iters={length}", "--cooldown_iters=0", f"--min_lr={base_lr(args, line)}", f"--keep_ckpts={keeps}"]
     earlier = extendable(args, line, length)
     if earlier is None:
         shutil.rmtree(out, ignore_errors=True)
@@ -303,7 +312,7 @@ def run_branch(args: argparse.Namespace, job: dict, tmp: Path) -> dict:
     script, _, flags = METHODS[line["method"]]
     out = tmp / f"branch-{t}"
     evals, train, _, wall = launch(script, flags, overrides_of(args, line) + [
-        f"--max_iters={t}", f"--cooldown_iters={t - start}", f"--min_lr={line['lr'] * floor}",
+        f"--max_iters={t}", f"--cooldown_iters={t - start}", f"--min_lr={base_lr(args, line) * floor}",
         "--init_from=resume", f"--resume_from={ckpt.resolve()}"], out)
     return record_of(args, {**job, "start": start}, evals, train, wall)
 
@@ -662,8 +671,10 @@ def report(args: argparse.Namespace) -> dict:
 
 def parse(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--records", type=Path, default=ROOT / "docs" / "convergence_data" / "time_to_target.jsonl")
-    p.add_argument("--doc", type=Path, default=ROOT / "docs" / "studies" / "time-to-target.md")
+    p.add_argument("--records", type=Path, default=None,
+                   help="default: docs/convergence_data/time_to_target.jsonl (with --optimizer muon, ttt_muon.jsonl)")
+    p.add_argument("--doc", type=Path, default=None,
+                   help="default: docs/studies/time-to-target.md (with --optimizer muon, time-to-target-muon.md)")
     p.add_argument("--workdir", type=Path, default=ROOT / "runs" / "time_to_target")
     p.add_argument("--speed", type=Path, nargs="+",
                    default=[ROOT / "docs" / "benchmarks_data" / f"time_to_target_speed{x}.jsonl"
@@ -688,6 +699,10 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--floors", type=lambda s: [float(x) for x in s.split(",")], default=[0.0, 0.1])
     p.add_argument("--cooldown-frac", type=float, default=0.2)
     p.add_argument("--seeds", type=lambda s: [int(x) for x in s.split(",")], default=[0, 1, 2])
+    p.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw",
+                   help="muon: the Muon + AdamW split in both loops; the LRs (--lr, --ddp-lrs, --acco-lrs) are then "
+                        "Muon's, and the AdamW groups' peak is --adamw-lr")
+    p.add_argument("--adamw-lr", type=float, default=2e-3, help="with --optimizer muon: the AdamW groups' peak LR")
     p.add_argument("--n-layer", type=int, default=4)
     p.add_argument("--n-head", type=int, default=4)
     p.add_argument("--n-embd", type=int, default=128)
@@ -700,6 +715,11 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--dry-run", action="store_true", help="print the next job and stop")
     p.add_argument("--no-plots", action="store_true")
     args = p.parse_args(argv)
+    muon = args.optimizer == "muon"
+    if args.records is None:
+        args.records = ROOT / "docs" / "convergence_data" / ("ttt_muon.jsonl" if muon else "time_to_target.jsonl")
+    if args.doc is None:
+        args.doc = ROOT / "docs" / "studies" / ("time-to-target-muon.md" if muon else "time-to-target.md")
     unknown = set(args.methods) - set(METHODS)
     if unknown:
         p.error(f"unknown method(s) {sorted(unknown)}: choose from {sorted(METHODS)}")
