@@ -607,7 +607,7 @@ def report_markdown(s: dict, args: argparse.Namespace, speed: Dict[str, List[dic
                            f"| {sp['time_per_update']:.3f} [{sp['min']:.3f}–{sp['max']:.3f}] "
                            f"({sp['rate_mbit']:g} Mbit/s, {sp['repeats']} repeats{where}) | {cells} | {mean} "
                            f"| {asks} | {GOAL_TIME / sp['time_per_update']:.3f} |")
-    out += ["", "![loss against run length](convergence_ttt.png)", "", END]
+    out += ["", f"![loss against run length]({plot_name(args)})", "", END]
     return "\n".join(out)
 
 
@@ -650,6 +650,11 @@ def plot(records: List[dict], args: argparse.Namespace, path: Path) -> None:
     plt.close(fig)
 
 
+def plot_name(args: argparse.Namespace) -> str:
+    """The report's plot, beside its page and named after it (two studies' pages in one folder keep their own)."""
+    return args.doc.with_suffix(".png").name
+
+
 def report(args: argparse.Namespace) -> dict:
     records = load_records(args.records)
     if not records:
@@ -664,7 +669,7 @@ def report(args: argparse.Namespace) -> dict:
         text = text.rstrip() + "\n\n" + block + "\n"
     args.doc.write_text(text)
     if not args.no_plots:
-        plot(records, args, args.doc.parent / "convergence_ttt.png")
+        plot(records, args, args.doc.parent / plot_name(args))
     print(f"report: {s['records']} records -> {args.doc}", flush=True)
     return s
 
