@@ -48,7 +48,6 @@ class LoopContext:
     param_groups: List[Dict[str, Any]]  # the optimizer's live groups: each hand-off takes their values then
     lr_schedulers: List[Any]  # attached schedulers, stepped at each commit (the optimizer's list, shared)
     model_buffers: List[torch.Tensor]  # buffers= : the first rank's, at each commit
-    group: Any  # the user's group (None: one process)
 
 
 def after_handoff(c: LoopContext, kind: RoundKind, synchronous: bool) -> None:
@@ -61,7 +60,7 @@ def after_handoff(c: LoopContext, kind: RoundKind, synchronous: bool) -> None:
         c.progress.at_boundary = True
         for scheduler in c.lr_schedulers:
             scheduler.step()  # schedules count committed updates
-        sync_buffers(c.model_buffers, c.group)
+        sync_buffers(c.model_buffers, c.session.group)
 
 
 class UpdateLoop:

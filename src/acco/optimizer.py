@@ -347,7 +347,6 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
             options=o, world_size=self.world_size, progress=self._progress,
             driver=self._driver, flat=self._flat, round_done=self.scheduler.done, session=self._session,
             param_groups=self.param_groups, lr_schedulers=self._lr_schedulers, model_buffers=self._model_buffers,
-            group=self._group,
         )
         self._loop = ElasticLoop(loop) if o.accumulate_while_communicating else UpdateLoop(loop)
         self._constructed = True  # add_param_group() from here on would change the layout: refused
