@@ -65,7 +65,7 @@ ROUND_BYTES = 2 * 0.5 * 834_304 * 4  # one round, per rank: reduce-scatter + all
 
 def settings(args, method: str, lr: float, seed: int, steps: int, warmup: int) -> list:
     """The study's loop settings (examples/nanogpt/time_to_target.py), for ``steps`` updates."""
-    return [f"--seed={seed}", f"--learning_rate={lr}", f"--min_lr=0.0", f"--warmup_iters={warmup}",
+    return [f"--seed={seed}", f"--learning_rate={lr}", "--min_lr=0.0", f"--warmup_iters={warmup}",
             "--n_layer=4", "--n_head=4", "--n_embd=128", "--block_size=64", "--batch_size=32",
             "--gradient_accumulation_steps=4", f"--eval_interval={steps}", "--eval_iters=16", "--schedule=wsd",
             f"--max_iters={steps}", f"--cooldown_iters={round(0.2 * steps)}"]

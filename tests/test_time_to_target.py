@@ -484,3 +484,22 @@ def test_muon_runs_the_split_with_muons_lr_on_the_line_and_adamws_as_the_schedul
     trunk, branch = launched
     assert "--min_lr=0.002" in trunk and "--muon_lr=0.04" in trunk
     assert any(f.startswith("--min_lr=0.0002") for f in branch) and "--muon_lr=0.04" in branch
+
+
+@pytest.mark.parametrize("optimizer,names", [("adamw", ["DDP + AdamW, fully decayed"]),
+                                             ("muon", ["DDP + Muon (the Muon + AdamW split), fully decayed",
+                                                       "(Muon's; the AdamW groups' peak 0.003)"])])
+def test_the_report_names_the_optimizer_ddp_ran(tmp_path, optimizer, names):
+    """A Muon study's block must not call its target DDP + AdamW (the first Muon block did), and it says which
+    peak the AdamW groups had."""
+    ttt = _tool()
+    args = ttt.parse([*TINY, "--optimizer", optimizer, "--adamw-lr", "3e-3", "--records", str(tmp_path / "r.jsonl"),
+                      "--doc", str(tmp_path / "d.md"), "--speed", str(tmp_path / "none.jsonl")])
+    base = {"lr": 2e-3, "warmup": 2, "seed": 0, "config": ttt.config_of(args), "floor": 0.0, "val": [],
+            "train_loss": [], "wall_s": 1.0}
+    rs = [dict(base, kind="branch", method="ddp", T=12, start=10, final_val_loss=2.0),
+          dict(base, kind="branch", method="acco", T=12, start=10, final_val_loss=1.9)]
+    text = ttt.report_markdown(ttt.summarize(rs, args), args, {})
+    for name in names:
+        assert name in text, text[:600]
+    assert ("DDP + AdamW, fully decayed" in text) == (optimizer == "adamw")

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import shutil
 import statistics
 import sys
@@ -357,6 +356,13 @@ LABELS = {"ddp": "DDP + AdamW", "acco": "ACCO", "acco-bf16": "ACCO, bf16 estimat
           "dpu-ef": "DPU with error feedback (delay_correction=1.0)"}
 
 
+def label(method: str, args: argparse.Namespace) -> str:
+    """A method's name in the report; DDP's names its optimizer (with Muon, the Muon + AdamW split)."""
+    if method == "ddp" and args.optimizer == "muon":
+        return "DDP + Muon (the Muon + AdamW split)"
+    return LABELS[method]
+
+
 def bounded(result: dict) -> Tuple[float, str]:
     """A search result as (value, side): the interpolated ratio and ``""``, or for a target beyond the lengths
     searched the nearest length's ratio and ``"<"``/``">"`` (the true ratio lies beyond it)."""
@@ -513,12 +519,13 @@ def report_markdown(s: dict, args: argparse.Namespace, speed: Dict[str, List[dic
     out = [BEGIN, "",
            f"Records: {s['records']} runs (trunks and cool-down branches), {s['hours']:.2f} h of run time, "
            f"{cfg['n_layer']} layers x {cfg['n_embd']} wide, {tokens:,} tokens per update, peak LR "
-           f"{', '.join(f'{lr:g}' for lr in all_lrs)}; "
+           f"{', '.join(f'{lr:g}' for lr in all_lrs)}"
+           + (f" (Muon's; the AdamW groups' peak {args.adamw_lr:g})" if args.optimizer == "muon" else "") + "; "
            f"warm-up, constant, then linear cool-down over the last {cfg['cooldown_frac']:.0%} of a run of T updates "
            "to the floor x peak; held-out loss on "
            f"{cfg['eval_iters']} fixed batches at the end of the cool-down.", ""]
     # DDP's own losses, the targets, at each schedule and LR
-    out += ["DDP + AdamW, fully decayed held-out loss (mean over seeds [min–max], n):", "",
+    out += [f"{label('ddp', args)}, fully decayed held-out loss (mean over seeds [min–max], n):", "",
             "| warm-up | T | floor | " + " | ".join(f"LR {lr:g}" for lr in all_lrs) + " |",
             "|---|---|---|" + "---|" * len(all_lrs)]
     keys = sorted({(d["warmup"], d["T"], d["floor"]) for d in s["ddp"]}, key=lambda k: (k[0] != args.warmups[0], k))
@@ -632,10 +639,10 @@ def plot(records: List[dict], args: argparse.Namespace, path: Path) -> None:
                 ends.setdefault(int(r["T"]), []).append(r["final_val_loss"])
         if ends:
             ts = sorted(ends)
-            axes[0].plot(ts, [statistics.fmean(ends[t]) for t in ts], "o-", label=LABELS[m], color=colors[m])
+            axes[0].plot(ts, [statistics.fmean(ends[t]) for t in ts], "o-", label=label(m, args), color=colors[m])
         trunk = next((r for r in rs if r["method"] == m and r["kind"] == "trunk" and int(r["seed"]) == args.seeds[0]), None)
         if trunk:
-            axes[1].plot(*zip(*trunk["val"]), label=f"{LABELS[m]} (seed {args.seeds[0]})", color=colors[m])
+            axes[1].plot(*zip(*trunk["val"]), label=f"{label(m, args)} (seed {args.seeds[0]})", color=colors[m])
     axes[0].set_xlabel(f"run length T (updates), peak LR {args.lr:g}, cooled down to 0")
     axes[0].set_ylabel("final held-out loss (mean over seeds)")
     axes[0].set_xscale("log")

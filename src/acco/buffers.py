@@ -22,7 +22,7 @@ No collective here; device work only (copies, zeroing).
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
