@@ -360,7 +360,7 @@ def label(method: str, args: argparse.Namespace) -> str:
     """A method's name in the report; DDP's names its optimizer (with Muon, the Muon + AdamW split)."""
     if method == "ddp" and args.optimizer == "muon":
         return "DDP + Muon (the Muon + AdamW split)"
-    return LABELS[method]
+    return LABELS.get(method, method)
 
 
 def bounded(result: dict) -> Tuple[float, str]:
@@ -564,7 +564,7 @@ def report_markdown(s: dict, args: argparse.Namespace, speed: Dict[str, List[dic
         gaps = [(r["loss_at_T"] - r["target"]) / r["target"] for r in rs if r["loss_at_T"] is not None]
         mean = mean_cell([r["result"] for r in done])
         mean = mean if mean == "—" else f"{mean} ({len(done)} seed{'s' if len(done) != 1 else ''})"
-        out.append(f"| {LABELS.get(m, m)} | {lr_cell(lr, best.get((w, t, f)))} | {w} | {t} | {f:g} | {per} | {mean} | {extra} | "
+        out.append(f"| {label(m, args)} | {lr_cell(lr, best.get((w, t, f)))} | {w} | {t} | {f:g} | {per} | {mean} | {extra} | "
                    f"{f'{statistics.fmean(gaps):+.2%}' if gaps else '—'} |")
     # where the gap is made: the trunks, at the constant peak LR
     tg = s.get("trunk_gaps")
@@ -582,8 +582,8 @@ def report_markdown(s: dict, args: argparse.Namespace, speed: Dict[str, List[dic
                 "| method | " + " | ".join(f"updates {lo}–{hi - 1}" for lo, hi in ranges) + " |",
                 "|---|" + "---|" * len(ranges)]
         for m in tg["train"]:
-            out.append(f"| {LABELS.get(m, m)}, train | " + " | ".join(cell(c) for c in tg["train"][m]) + " |")
-            out.append(f"| {LABELS.get(m, m)}, held-out at the end | "
+            out.append(f"| {label(m, args)}, train | " + " | ".join(cell(c) for c in tg["train"][m]) + " |")
+            out.append(f"| {label(m, args)}, held-out at the end | "
                        + " | ".join(cell(c) for c in tg["val"][m]) + " |")
     # time to target, composed
     if speed:
@@ -610,7 +610,7 @@ def report_markdown(s: dict, args: argparse.Namespace, speed: Dict[str, List[dic
                 cells = ", ".join(f"s{r['seed']} {bounded_text(r['result'], sp['time_per_update'])}" for r in done)
                 mean = mean_cell([r["result"] for r in done], fmt=lambda x: f"{x * sp['time_per_update']:.3f}")
                 where = f", `{sp['file']}`" if sp.get("file") else ""  # two runs at one link differ by their file
-                out.append(f"| {LABELS.get(m, m)} | {lr_cell(lr, best.get((w, t, f)))} | {w} | {t} | {f:g} "
+                out.append(f"| {label(m, args)} | {lr_cell(lr, best.get((w, t, f)))} | {w} | {t} | {f:g} "
                            f"| {sp['time_per_update']:.3f} [{sp['min']:.3f}–{sp['max']:.3f}] "
                            f"({sp['rate_mbit']:g} Mbit/s, {sp['repeats']} repeats{where}) | {cells} | {mean} "
                            f"| {asks} | {GOAL_TIME / sp['time_per_update']:.3f} |")
