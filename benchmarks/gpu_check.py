@@ -476,8 +476,8 @@ def check_gpt_overhead(device: str, dry: bool, repeats: int) -> Dict[str, Any]:
     under bf16 autocast, at 65,536 tokens per update, with the foreach and the fused AdamW kernels: interleaved
     repeats, median and spread of each ratio, and the host's time in ``step()`` + ``zero_grad()`` per update.
 
-    Each run warms up 4 updates and times 10: on an H200 (2026-11-28) 2 and 6 gave ACCO/AdamW 1.13 (1.08-1.17)
-    in a process of its own and 1.36 after the other sections, where 4 and 10 gave 1.05 (docs/studies/gpu-runs.md)."""
+    Each run warms up 4 updates and times 10: a shorter window (2 and 6) measured a transient, the more so after
+    the other sections in the same process (docs/studies/gpu-runs.md, the sixth run)."""
     cfg, mb, m = gpt_setup(dry)
     from model import GPT  # noqa: E402  (gpt_setup put examples/gpt on the path)
 
