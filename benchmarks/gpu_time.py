@@ -24,21 +24,23 @@ import acco  # noqa: E402
 from acco import AccoOptimizer  # noqa: E402
 from gpu_check import batches, make_model, synchronize  # noqa: E402
 
-CONFIGS = ["adamw", "adamw-fused", "sync", "dpu", "acco", "acco-fused", "acco-nocap", "acco-extrap",
+CONFIGS = ["adamw", "adamw-fused", "sync", "dpu", "acco", "acco-fused", "acco-cap", "acco-nocap", "acco-extrap",
            "acco-fused-extrap"]
 
 
 def build(name: str, width: int, layers: int, device: str, m: int):
-    """``adamw[-fused]``: torch's AdamW; ``MODE[-fused|-nocap][-extrap]``: AccoOptimizer over AdamW (``fused=True``;
-    ``capturable=False``: the host decides a skipped round, one sync per round; ``estimate_extrapolation=1.2``)."""
+    """``adamw[-fused]``: torch's AdamW; ``MODE[-fused|-cap|-nocap][-extrap]``: AccoOptimizer over AdamW (the
+    default: on CUDA the fused kernel; ``fused=True``; ``fused=False``, capturable foreach kernels; ``fused=False,
+    capturable=False``: the host decides a skipped round, one sync per round; ``estimate_extrapolation=1.2``)."""
     model = make_model(width, layers, device)
     cuda = device.startswith("cuda")
     if name.startswith("adamw"):
         return model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=name.endswith("fused") and cuda or None)
     mode, *rest = name.split("-")
     kw = {"fused": True} if "fused" in rest and cuda else {}
-    if "nocap" in rest and cuda:
-        kw["capturable"] = False
+    if ("cap" in rest or "nocap" in rest) and cuda:
+        kw["fused"] = False
+        kw["capturable"] = "cap" in rest
     if "extrap" in rest:
         kw["estimate_extrapolation"] = 1.2
     return model, AccoOptimizer(model.parameters(), mode=mode, microbatches_per_update=m, lr=1e-4, **kw)

@@ -276,17 +276,27 @@ def test_round_record_settles_without_blocking():
 
 
 def test_cuda_step_counters_live_on_the_device():
-    """On CUDA the wrapped optimizer keeps its step counters on the device (capturable=True), unless the user
-    chose fused/capturable or the class has no such option; on CPU nothing changes."""
-    from acco._validation import device_resident_state
+    """On CUDA the wrapped optimizer keeps its step counters on the device: Adam and AdamW as their fused kernel,
+    other classes capturable; a kernel option the user chose is left alone, and torch's own defaults (what
+    from_optimizer passes on) are no choice; on CPU nothing changes."""
+    from acco._validation import constructor_defaults, device_resident_state
 
     cuda = torch.device("cuda", 0)
-    assert device_resident_state(torch.optim.AdamW, {"lr": 1.0}, cuda) == {"lr": 1.0, "capturable": True}
+    assert device_resident_state(torch.optim.AdamW, {"lr": 1.0}, cuda) == {"lr": 1.0, "fused": True}
+    assert device_resident_state(torch.optim.Adam, {}, cuda) == {"fused": True}
     assert device_resident_state(torch.optim.AdamW, {"fused": True}, cuda) == {"fused": True}
     assert device_resident_state(torch.optim.AdamW, {"fused": False}, cuda) == {"fused": False, "capturable": True}
-    assert device_resident_state(torch.optim.AdamW, {"capturable": False}, cuda) == {"capturable": False}
+    assert device_resident_state(torch.optim.AdamW, {"foreach": True}, cuda) == {"foreach": True, "capturable": True}
+    assert device_resident_state(torch.optim.AdamW, {"capturable": True}, cuda) == {"capturable": True}
+    assert device_resident_state(torch.optim.AdamW, {"differentiable": True}, cuda) == {"differentiable": True}
+    assert device_resident_state(torch.optim.RMSprop, {}, cuda) == {"capturable": True}
     assert device_resident_state(torch.optim.Adagrad, {}, cuda) == {}
     assert device_resident_state(torch.optim.SGD, {}, cuda) == {}
+    # from_optimizer: an AdamW built with torch's defaults (capturable=False, fused=None, ...) gets the fused kernel
+    given = constructor_defaults(torch.optim.AdamW([torch.zeros(2, requires_grad=True)], lr=1e-3))
+    assert given["capturable"] is False and device_resident_state(torch.optim.AdamW, given, cuda)["fused"] is True
+    subclass = type("MyAdamW", (torch.optim.AdamW,), {})  # a subclass may change the step: not the fused kernel
+    assert device_resident_state(subclass, {}, cuda) == {"capturable": True}
     assert device_resident_state(torch.optim.AdamW, {}, torch.device("cpu")) == {}
 
 

@@ -386,22 +386,40 @@ def check_params(params: Iterable[torch.Tensor], compute_dtype: Optional[torch.d
         )
 
 
-def device_resident_state(optimizer_class: type, kwargs: Dict[str, Any], device: torch.device) -> Dict[str, Any]:
-    """On CUDA, ask the wrapped optimizer to keep its step counters on the device (``capturable=True``).
+# Adam and AdamW on CUDA: the fused kernel unless the user chose a kernel. It keeps the step count on the
+# device, skips a flagged step by itself (found_inf, so no snapshot to undo it), and holds the host for an
+# eighth of the foreach kernels' time per update (docs/gpu.md, "Time per update").
+FUSED_BY_DEFAULT = (torch.optim.Adam, torch.optim.AdamW)
 
-    The same arithmetic; what changes is that a round can undo a step skipped
-    for a non-finite gradient on the device (``torch.where``), with no host
-    synchronisation. Left alone where the user chose (``fused=True``, or
-    ``capturable`` given) or the class has no such option (Adagrad: its rounds
-    then decide a skip on the host, one sync per round).
+
+def device_resident_state(optimizer_class: type, kwargs: Dict[str, Any], device: torch.device) -> Dict[str, Any]:
+    """On CUDA, keep the wrapped optimizer's step counters on the device: Adam and AdamW as their fused kernel
+    (``fused=True``), other classes with ``capturable=True`` where they accept it.
+
+    The same update (to rounding); what changes is that a round undoes a step
+    skipped for a non-finite gradient on the device, with no host
+    synchronisation. Left alone where the user chose ``fused=True``, or
+    ``capturable`` or ``differentiable`` other than the constructor's default
+    (``from_optimizer`` passes torch's defaults on, and they are no choice);
+    ``fused=False`` or ``foreach`` given keep Adam and AdamW off the fused
+    kernel (``capturable=True`` then). A class with neither option (Adagrad)
+    decides a skip on the host, one sync per round.
     """
-    if torch.device(device).type != "cuda" or kwargs.get("fused") or "capturable" in kwargs:
+    if torch.device(device).type != "cuda":
         return kwargs
     try:
-        accepts = "capturable" in inspect.signature(optimizer_class.__init__).parameters
+        params = inspect.signature(optimizer_class.__init__).parameters
     except (TypeError, ValueError):
-        accepts = False
-    return {**kwargs, "capturable": True} if accepts else kwargs
+        return kwargs
+
+    def chosen(name: str) -> bool:
+        return name in kwargs and (name not in params or kwargs[name] != params[name].default)
+
+    if kwargs.get("fused") or chosen("capturable") or chosen("differentiable"):
+        return kwargs
+    if optimizer_class in FUSED_BY_DEFAULT and not chosen("fused") and not chosen("foreach"):
+        return {**kwargs, "fused": True}
+    return {**kwargs, "capturable": True} if "capturable" in params else kwargs
 
 
 def check_accumulation_dtype(accumulation_dtype: Optional[torch.dtype], compute_dtype: torch.dtype) -> torch.dtype:
