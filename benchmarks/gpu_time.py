@@ -30,7 +30,7 @@ CONFIGS = ["adamw", "adamw-fused", "sync", "dpu", "acco", "acco-fused", "acco-ca
 
 def build(name: str, width: int, layers: int, device: str, m: int):
     """``adamw[-fused]``: torch's AdamW; ``MODE[-fused|-cap|-nocap][-extrap]``: AccoOptimizer over AdamW (the
-    default: on CUDA the fused kernel; ``fused=True``; ``fused=False``, capturable foreach kernels; ``fused=False,
+    default: on CUDA the fused kernel; ``fused=True``; ``foreach=True``, capturable foreach kernels; ``foreach=True,
     capturable=False``: the host decides a skipped round, one sync per round; ``estimate_extrapolation=1.2``)."""
     model = make_model(width, layers, device)
     cuda = device.startswith("cuda")
@@ -38,9 +38,10 @@ def build(name: str, width: int, layers: int, device: str, m: int):
         return model, torch.optim.AdamW(model.parameters(), lr=1e-4, fused=name.endswith("fused") and cuda or None)
     mode, *rest = name.split("-")
     kw = {"fused": True} if "fused" in rest and cuda else {}
-    if ("cap" in rest or "nocap" in rest) and cuda:
-        kw["fused"] = False
-        kw["capturable"] = "cap" in rest
+    if "cap" in rest and cuda:
+        kw["foreach"] = True  # capturable added by the library
+    if "nocap" in rest and cuda:
+        kw.update(foreach=True, capturable=False)
     if "extrap" in rest:
         kw["estimate_extrapolation"] = 1.2
     return model, AccoOptimizer(model.parameters(), mode=mode, microbatches_per_update=m, lr=1e-4, **kw)

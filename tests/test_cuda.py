@@ -102,7 +102,7 @@ def test_cuda_round_stats_from_events():
 
 
 ONE_STEP_CONFIGS = [("acco", {}), ("dpu", {}), ("sync", {}), ("acco", {"estimate_extrapolation": 1.2}),
-                    ("acco", {"fused": False}), ("acco", {"estimate_extrapolation": 1.2, "fused": False}),
+                    ("acco", {"foreach": True}), ("acco", {"estimate_extrapolation": 1.2, "foreach": True}),
                     ("dpu", {"delay_correction": 1.0})]
 
 
@@ -111,7 +111,7 @@ ONE_STEP_CONFIGS = [("acco", {}), ("dpu", {}), ("sync", {}), ("acco", {"estimate
 def test_cuda_one_step_per_update_matches_oracle(mode, options):
     """The default loop (M backward passes, one step()) on the side stream, against the oracle; with the
     extrapolated estimate (AdamW's step taken with c * lr, its step count on the device), fused (the default)
-    and capturable (fused=False); mode dpu's error feedback with fused AdamW (undone from the snapshot, not by
+    and capturable foreach (foreach=True); mode dpu's error feedback with fused AdamW (undone from the snapshot, not by
     the kernel's own skip)."""
     from oracle import update_run
     from tinynet import grad_fn
@@ -121,8 +121,9 @@ def test_cuda_one_step_per_update_matches_oracle(mode, options):
     theta0 = [p.detach().cpu().clone() for p in model.parameters()]
     opt = AccoOptimizer(model.parameters(), mode=mode, microbatches_per_update=m, **options, **KW)
     assert opt.scheduler.uses_streams
-    # AdamW on CUDA: the fused kernel by default, capturable where fused=False was chosen
-    assert opt.local_optimizer.defaults.get("capturable" if options.get("fused") is False else "fused") is True
+    # AdamW on CUDA: the fused kernel by default, capturable foreach where foreach was chosen (the groups decide)
+    for g in opt.local_optimizer.param_groups:
+        assert (g["capturable"], g["foreach"]) == (True, True) if options.get("foreach") else g["fused"] is True
     traj = []
     for t in range(updates):
         for j in range(m):

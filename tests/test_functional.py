@@ -172,7 +172,7 @@ def test_estimate_round_ops_do_not_grow_with_the_number_of_tensors():
 def test_an_extrapolated_estimate_issues_the_same_ops(fused):
     """estimate_extrapolation on the functional path is the step with c * lr: an estimate round issues exactly
     the ops of the paper's estimate (its cost is nil by construction, not by a timing), also where Adam's step
-    count is on the device (fused; on CUDA, plain AdamW is made capturable) and its scalars are device tensors."""
+    count is on the device (fused, AdamW's default on CUDA; or capturable) and its scalars are device tensors."""
     assert estimate_round_ops(20, 1.2, fused) == estimate_round_ops(20, 1.0, fused)
 
 

@@ -277,9 +277,9 @@ def test_round_record_settles_without_blocking():
 
 def test_cuda_step_counters_live_on_the_device():
     """On CUDA the wrapped optimizer keeps its step counters on the device: Adam and AdamW as their fused kernel,
-    other classes capturable; a kernel option the user chose is left alone, and torch's own defaults (what
-    from_optimizer passes on) are no choice; on CPU nothing changes."""
-    from acco._validation import constructor_defaults, device_resident_state
+    other classes capturable; a kernel flag the user gave, in the keyword arguments or a group, is kept; on CPU
+    nothing changes."""
+    from acco._validation import device_resident_state
 
     cuda = torch.device("cuda", 0)
     assert device_resident_state(torch.optim.AdamW, {"lr": 1.0}, cuda) == {"lr": 1.0, "fused": True}
@@ -288,13 +288,14 @@ def test_cuda_step_counters_live_on_the_device():
     assert device_resident_state(torch.optim.AdamW, {"fused": False}, cuda) == {"fused": False, "capturable": True}
     assert device_resident_state(torch.optim.AdamW, {"foreach": True}, cuda) == {"foreach": True, "capturable": True}
     assert device_resident_state(torch.optim.AdamW, {"capturable": True}, cuda) == {"capturable": True}
+    assert device_resident_state(torch.optim.AdamW, {"capturable": False}, cuda) == {"capturable": False}
     assert device_resident_state(torch.optim.AdamW, {"differentiable": True}, cuda) == {"differentiable": True}
+    # a group's flag is a choice too: foreach keeps AdamW off the fused kernel, differentiable leaves it alone
+    assert device_resident_state(torch.optim.AdamW, {}, cuda, [{"lr": 1.0}, {"foreach": True}]) == {"capturable": True}
+    assert device_resident_state(torch.optim.AdamW, {}, cuda, [{"differentiable": True}]) == {}
     assert device_resident_state(torch.optim.RMSprop, {}, cuda) == {"capturable": True}
     assert device_resident_state(torch.optim.Adagrad, {}, cuda) == {}
     assert device_resident_state(torch.optim.SGD, {}, cuda) == {}
-    # from_optimizer: an AdamW built with torch's defaults (capturable=False, fused=None, ...) gets the fused kernel
-    given = constructor_defaults(torch.optim.AdamW([torch.zeros(2, requires_grad=True)], lr=1e-3))
-    assert given["capturable"] is False and device_resident_state(torch.optim.AdamW, given, cuda)["fused"] is True
     subclass = type("MyAdamW", (torch.optim.AdamW,), {})  # a subclass may change the step: not the fused kernel
     assert device_resident_state(subclass, {}, cuda) == {"capturable": True}
     assert device_resident_state(torch.optim.AdamW, {}, torch.device("cpu")) == {}
@@ -350,3 +351,49 @@ def test_reduce_dtype_bf16_across_ranks():
     diff = ((r0["bf16"] - r0["fp32"]).norm() / r0["fp32"].norm()).item()
     assert 0 < diff < 1e-2, diff
     assert r0["bf16_comm"] * 2 == r0["fp32_comm"]
+
+
+def test_the_device_kernel_reaches_the_wrapped_optimizers_groups(monkeypatch):
+    """What the wrapped optimizers run, end to end, with the device taken for CUDA (fused AdamW also runs on CPU):
+    from_optimizer of a torch AdamW built with its defaults (which it stores as fused=None, capturable=False in
+    every group, and which would override a constructor argument) runs fused; so does the AdamW part of a Muon +
+    AdamW split whose first class is Muon; a group's own foreach gives capturable; an explicit capturable=False
+    is kept."""
+    import acco._validation as V
+
+    real = V.device_resident_state
+    monkeypatch.setattr(V, "device_resident_state",
+                        lambda cls, kwargs, device, groups=(): real(cls, kwargs, torch.device("cuda"), groups))
+
+    def flags(optimizer):
+        return [(g.get("fused"), g.get("capturable"), g.get("foreach")) for g in optimizer.param_groups]
+
+    model = make_model()
+    opt = AccoOptimizer.from_optimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), mode="acco",
+                                       microbatches_per_update=2)
+    assert flags(opt.local_optimizer) == [(True, False, None)]
+    for j in range(2):
+        loss_fn(model, 0, j).backward()
+    opt.step()  # the fused kernel, on CPU
+    opt.finish()
+
+    model = make_model()
+    params = list(model.parameters())
+    matrices, rest = [params[i] for i in (1, 3)], [p for i, p in enumerate(params) if i not in (1, 3)]
+    opt = AccoOptimizer.from_optimizer([torch.optim.Muon(matrices, lr=0.02), torch.optim.AdamW(rest, lr=1e-2)],
+                                       mode="acco", microbatches_per_update=2)
+    muon, adamw = opt.local_optimizers
+    assert isinstance(adamw, torch.optim.AdamW) and flags(adamw) == [(True, False, None)]
+    opt.finish()
+
+    model = make_model()
+    params = list(model.parameters())
+    opt = AccoOptimizer([{"params": params[:2], "foreach": True}, {"params": params[2:]}], torch.optim.AdamW,
+                        mode="acco", microbatches_per_update=2, lr=1e-2)
+    assert flags(opt.local_optimizer) == [(None, True, True), (None, True, None)]
+    opt.finish()
+
+    opt = AccoOptimizer(make_model().parameters(), torch.optim.AdamW, mode="acco", microbatches_per_update=2,
+                        lr=1e-2, capturable=False)
+    assert flags(opt.local_optimizer) == [(None, False, None)]
+    opt.finish()

@@ -42,8 +42,9 @@ OPTIMIZERS = {
                                  adamw=dict(lr=1e-2, betas=(0.9, 0.95), weight_decay=0.1))),
 }
 MATRICES = (1, 3)  # TinyNet's fc1.weight and fc2.weight (its own shift comes first)
-# On a real GPU, plain AdamW's step counter is made a device tensor (capturable=True, which the CPU
-# lacks); here it stays a CPU-side count whose .item() the fake device sees as a sync.
+# On a real GPU, AdamW runs fused by default (its step counter a device tensor); here "adamw" is the foreach
+# kernel, whose step count stays on the CPU (capturable=True is refused there): the fake device sees its .item()
+# as a sync.
 SYNC_FREE = {"sgd", "adamw_fused", "sgd_plain"}
 # Adafactor keeps its step count as a CPU tensor too (a sync on the fake device, as plain AdamW's).
 

@@ -52,8 +52,10 @@ def other_class_defaults(groups: List[Dict[str, Any]], classes: List[type], defa
     (which are ``optimizer_class``'s): filled in before torch fills every group from the latter."""
     from .wrapped import class_defaults
 
-    return [g if cls is default else {**class_defaults(cls), **g, "optimizer_class": cls}
-            for g, cls in zip(groups, classes)]
+    def own(cls: type) -> Dict[str, Any]:  # less the kernel flags: where a group gives none, none was chosen
+        return {k: v for k, v in class_defaults(cls).items() if k not in KERNEL_FLAGS}
+
+    return [g if cls is default else {**own(cls), **g, "optimizer_class": cls} for g, cls in zip(groups, classes)]
 
 
 def drop_foreign_defaults(groups: List[Dict[str, Any]], classes: List[type], default: type,
@@ -386,40 +388,49 @@ def check_params(params: Iterable[torch.Tensor], compute_dtype: Optional[torch.d
         )
 
 
+# How torch runs a step, not what it computes. torch stores each of them in every optimizer's defaults and
+# groups, so in what is read off a built optimizer (from_optimizer, a Trainer's) a default value is no choice.
+KERNEL_FLAGS = ("foreach", "fused", "capturable", "differentiable")
 # Adam and AdamW on CUDA: the fused kernel unless the user chose a kernel. It keeps the step count on the
 # device, skips a flagged step by itself (found_inf, so no snapshot to undo it), and holds the host for an
 # eighth of the foreach kernels' time per update (docs/gpu.md, "Time per update").
 FUSED_BY_DEFAULT = (torch.optim.Adam, torch.optim.AdamW)
 
 
-def device_resident_state(optimizer_class: type, kwargs: Dict[str, Any], device: torch.device) -> Dict[str, Any]:
-    """On CUDA, keep the wrapped optimizer's step counters on the device: Adam and AdamW as their fused kernel
-    (``fused=True``), other classes with ``capturable=True`` where they accept it.
+def without_default_kernel_flags(options: Dict[str, Any], cls: type) -> Dict[str, Any]:
+    """``options`` (a built optimizer's group or defaults) less the kernel flags at ``cls``'s constructor default."""
+    from .wrapped import class_defaults
+
+    own = class_defaults(cls)
+    return {k: v for k, v in options.items() if not (k in KERNEL_FLAGS and k in own and v == own[k])}
+
+
+def device_resident_state(optimizer_class: type, kwargs: Dict[str, Any], device: torch.device,
+                          groups: Iterable[Dict[str, Any]] = ()) -> Dict[str, Any]:
+    """``kwargs`` for building ``optimizer_class`` on ``device``: on CUDA with its step counters on the device,
+    Adam and AdamW as their fused kernel (``fused=True``), other classes ``capturable=True`` where they take it.
 
     The same update (to rounding); what changes is that a round undoes a step
     skipped for a non-finite gradient on the device, with no host
-    synchronisation. Left alone where the user chose ``fused=True``, or
-    ``capturable`` or ``differentiable`` other than the constructor's default
-    (``from_optimizer`` passes torch's defaults on, and they are no choice);
-    ``fused=False`` or ``foreach`` given keep Adam and AdamW off the fused
-    kernel (``capturable=True`` then). A class with neither option (Adagrad)
-    decides a skip on the host, one sync per round.
+    synchronisation. A kernel flag given in ``kwargs`` or in any of the
+    class's ``groups`` is the user's choice: ``fused=True``, ``capturable``
+    or ``differentiable`` leave everything as given; ``fused=False`` or
+    ``foreach`` keep Adam and AdamW off the fused kernel (``capturable=True``
+    then). A class with neither option (Adagrad) decides a skip on the host,
+    one sync per round.
     """
     if torch.device(device).type != "cuda":
         return kwargs
-    try:
-        params = inspect.signature(optimizer_class.__init__).parameters
-    except (TypeError, ValueError):
+    chosen = {k: v for g in [*groups, kwargs] for k, v in g.items() if k in KERNEL_FLAGS}
+    if chosen.get("fused") or "capturable" in chosen or "differentiable" in chosen:
         return kwargs
-
-    def chosen(name: str) -> bool:
-        return name in kwargs and (name not in params or kwargs[name] != params[name].default)
-
-    if kwargs.get("fused") or chosen("capturable") or chosen("differentiable"):
-        return kwargs
-    if optimizer_class in FUSED_BY_DEFAULT and not chosen("fused") and not chosen("foreach"):
+    if optimizer_class in FUSED_BY_DEFAULT and "fused" not in chosen and "foreach" not in chosen:
         return {**kwargs, "fused": True}
-    return {**kwargs, "capturable": True} if "capturable" in params else kwargs
+    try:
+        accepts = "capturable" in inspect.signature(optimizer_class.__init__).parameters
+    except (TypeError, ValueError):
+        accepts = False
+    return {**kwargs, "capturable": True} if accepts else kwargs
 
 
 def check_accumulation_dtype(accumulation_dtype: Optional[torch.dtype], compute_dtype: torch.dtype) -> torch.dtype:

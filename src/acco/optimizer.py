@@ -309,8 +309,10 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         self._flat = FlatBuffers(local, self.layout, self.rank, o.compute_dtype, o.accumulation_dtype, o.reduce_dtype,
                                  separate_grads=o.accumulate_while_communicating,
                                  collectives=ring_algorithm(round_group), estimate_dtype=o.estimate_dtype)
-        kwargs = {cls: {} for cls in classes}
-        kwargs[optimizer_class] = V.device_resident_state(optimizer_class, optimizer_kwargs, device)
+        # Each class's kernel on this device, from what the keyword arguments and its groups chose
+        kwargs = {cls: V.device_resident_state(cls, optimizer_kwargs if cls is optimizer_class else {}, device,
+                                               [g for g, c in zip(self.param_groups, classes) if c is cls])
+                  for cls in dict.fromkeys(classes)}
         self._wrapped = WrappedOptimizers(self.layout, self.rank, self._flat.shard.master, self._flat.shard.grad,
                                           self.param_groups, classes, kwargs, index_of_group)
         # Fill every group with its wrapped optimizer's defaults: param_groups is the live truth rounds read.
@@ -380,12 +382,15 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
             raise ValueError("AccoOptimizer.from_optimizer() got an empty list: pass a torch optimizer, or several")
         for o in optimizers:
             V.check_fresh_optimizer(o, options)
+        # torch's own kernel flags (fused=None, capturable=False, ...) are no choice: the device's default applies
         if len(optimizers) == 1:
-            groups = [dict(g) for g in optimizers[0].param_groups]
+            groups = [V.without_default_kernel_flags(g, type(optimizers[0])) for g in optimizers[0].param_groups]
         else:
-            groups = [{**g, "optimizer_class": type(o)} for o in optimizers for g in o.param_groups]
+            groups = [{**V.without_default_kernel_flags(g, type(o)), "optimizer_class": type(o)}
+                      for o in optimizers for g in o.param_groups]
         first = optimizers[0]
-        return cls(groups, type(first), **{**V.constructor_defaults(first), **options})
+        defaults = V.without_default_kernel_flags(V.constructor_defaults(first), type(first))
+        return cls(groups, type(first), **{**defaults, **options})
 
     # ------------------------------------------------------------------ state owned elsewhere
 

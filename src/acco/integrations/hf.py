@@ -43,6 +43,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from .. import checkpoint as acco_checkpoint
+from .._validation import without_default_kernel_flags
 from ..ddp import disable_gradient_allreduce
 from ..optimizer import AccoOptimizer
 from ._given import check_given_optimizer
@@ -138,7 +139,8 @@ class AccoTrainer(Trainer):
             self.optimizer, self.lr_scheduler = None, None
         if self.optimizer is None:
             plain = super().create_optimizer(model)  # Trainer's choice of class, hyper-parameters and groups
-            groups = [dict(g) for g in plain.param_groups if g["params"]]
+            # torch's own kernel flags in them (fused=None, ...) are no choice: the device's default applies
+            groups = [without_default_kernel_flags(g, type(plain)) for g in plain.param_groups if g["params"]]
             model = self.model if model is None else model
             kwargs: Dict[str, Any] = dict(
                 mode=self.acco_mode,
