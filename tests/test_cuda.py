@@ -123,7 +123,7 @@ def test_cuda_one_step_per_update_matches_oracle(mode, options):
     assert opt.scheduler.uses_streams
     # AdamW on CUDA: the fused kernel by default, capturable foreach where foreach was chosen (the groups decide)
     for g in opt.local_optimizer.param_groups:
-        assert (g["capturable"], g["foreach"]) == (True, True) if options.get("foreach") else g["fused"] is True
+        assert ((g["capturable"], g["foreach"]) == (True, True)) if options.get("foreach") else (g["fused"] is True)
     traj = []
     for t in range(updates):
         for j in range(m):

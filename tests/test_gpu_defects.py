@@ -276,94 +276,38 @@ def test_round_record_settles_without_blocking():
 
 
 def test_cuda_step_counters_live_on_the_device():
-    """On CUDA the wrapped optimizer keeps its step counters on the device: Adam and AdamW as their fused kernel,
-    other classes capturable; a kernel flag the user gave, in the keyword arguments or a group, is kept; on CPU
-    nothing changes."""
-    from acco._validation import device_resident_state
+    """On CUDA a param group keeps its step counter on the device: Adam and AdamW as their fused kernel, other
+    classes capturable; a kernel flag the group holds (the user's) is kept; on CPU nothing is added."""
+    from acco._validation import device_kernel
 
     cuda = torch.device("cuda", 0)
-    assert device_resident_state(torch.optim.AdamW, {"lr": 1.0}, cuda) == {"lr": 1.0, "fused": True}
-    assert device_resident_state(torch.optim.Adam, {}, cuda) == {"fused": True}
-    assert device_resident_state(torch.optim.AdamW, {"fused": True}, cuda) == {"fused": True}
-    assert device_resident_state(torch.optim.AdamW, {"fused": False}, cuda) == {"fused": False, "capturable": True}
-    assert device_resident_state(torch.optim.AdamW, {"foreach": True}, cuda) == {"foreach": True, "capturable": True}
-    assert device_resident_state(torch.optim.AdamW, {"capturable": True}, cuda) == {"capturable": True}
-    assert device_resident_state(torch.optim.AdamW, {"capturable": False}, cuda) == {"capturable": False}
-    assert device_resident_state(torch.optim.AdamW, {"differentiable": True}, cuda) == {"differentiable": True}
-    # a group's flag is a choice too: foreach keeps AdamW off the fused kernel, differentiable leaves it alone
-    assert device_resident_state(torch.optim.AdamW, {}, cuda, [{"lr": 1.0}, {"foreach": True}]) == {"capturable": True}
-    assert device_resident_state(torch.optim.AdamW, {}, cuda, [{"differentiable": True}]) == {}
-    assert device_resident_state(torch.optim.RMSprop, {}, cuda) == {"capturable": True}
-    assert device_resident_state(torch.optim.Adagrad, {}, cuda) == {}
-    assert device_resident_state(torch.optim.SGD, {}, cuda) == {}
+    assert device_kernel(torch.optim.AdamW, {}, cuda) == {"fused": True}
+    assert device_kernel(torch.optim.Adam, {}, cuda) == {"fused": True}
+    assert device_kernel(torch.optim.AdamW, {"differentiable": False}, cuda) == {"fused": True}
+    assert device_kernel(torch.optim.AdamW, {"fused": True}, cuda) == {}
+    assert device_kernel(torch.optim.AdamW, {"fused": False}, cuda) == {"capturable": True}
+    assert device_kernel(torch.optim.AdamW, {"foreach": True}, cuda) == {"capturable": True}
+    assert device_kernel(torch.optim.AdamW, {"capturable": True}, cuda) == {}
+    assert device_kernel(torch.optim.AdamW, {"capturable": False}, cuda) == {}
+    assert device_kernel(torch.optim.AdamW, {"differentiable": True}, cuda) == {}
+    assert device_kernel(torch.optim.RMSprop, {}, cuda) == {"capturable": True}
+    assert device_kernel(torch.optim.Adagrad, {}, cuda) == {}
+    assert device_kernel(torch.optim.SGD, {}, cuda) == {}
     subclass = type("MyAdamW", (torch.optim.AdamW,), {})  # a subclass may change the step: not the fused kernel
-    assert device_resident_state(subclass, {}, cuda) == {"capturable": True}
-    assert device_resident_state(torch.optim.AdamW, {}, torch.device("cpu")) == {}
-
-
-def test_implementation_flags_are_not_checkpointed():
-    """capturable (set on CUDA), fused, foreach: how this run computes, not what; a GPU checkpoint must load on
-    a CPU, so they are neither saved nor restored."""
-    model = make_model()
-    opt = AccoOptimizer(model.parameters(), mode="sync", microbatches_per_update=1, lr=1e-2)
-    loss_fn(model, 0, 0).backward()
-    opt.step()
-    opt.zero_grad()
-    opt.param_groups[0]["capturable"] = True  # as a CUDA run's group would say
-    sd = opt.state_dict()
-    opt.param_groups[0]["capturable"] = False
-    assert not any(k.split(".", 1)[1] in ("capturable", "fused", "foreach", "differentiable") for k in sd["hyper"])
-    assert any(k.endswith(".lr") for k in sd["hyper"])
-    opt.load_state_dict(sd)
-    assert opt.param_groups[0]["capturable"] is False
-    loss_fn(model, 0, 1).backward()
-    opt.step()
-    opt.finish()
-
-
-def _reduce_dtype_worker(rank: int, world: int) -> dict:
-    out = {}
-    for name, rd in (("fp32", None), ("bf16", torch.bfloat16)):
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
-        opt = AccoOptimizer(model.parameters(), torch.optim.AdamW, compute_dtype=torch.bfloat16, reduce_dtype=rd,
-                            microbatches_per_update=2, lr=1e-3)
-        g = torch.Generator().manual_seed(rank)
-        for _ in range(4):
-            for _ in range(2):
-                x = torch.randn(8, 32, generator=g).bfloat16()
-                (model(x).float().pow(2).mean() / 2).backward()
-            opt.step()
-            opt.zero_grad()
-        opt.finish()
-        out[name] = torch.cat([p.detach().float().flatten() for p in model.parameters()])
-        out[name + "_comm"] = opt.memory_report()["comm"]
-    return out
-
-
-def test_reduce_dtype_bf16_across_ranks():
-    """Two gloo ranks (the ring reduce-scatter in bf16): the ranks agree, the run stays close to the fp32
-    reduction's (differences of bf16 rounding only) without being it, and the round buffer is halved."""
-    from _dist import run_ranks
-
-    r0, r1 = run_ranks(_reduce_dtype_worker, 2, timeout=120)
-    assert torch.equal(r0["bf16"], r1["bf16"]) and torch.equal(r0["fp32"], r1["fp32"])
-    diff = ((r0["bf16"] - r0["fp32"]).norm() / r0["fp32"].norm()).item()
-    assert 0 < diff < 1e-2, diff
-    assert r0["bf16_comm"] * 2 == r0["fp32_comm"]
+    assert device_kernel(subclass, {}, cuda) == {"capturable": True}
+    assert device_kernel(torch.optim.AdamW, {}, torch.device("cpu")) == {}
 
 
 def test_the_device_kernel_reaches_the_wrapped_optimizers_groups(monkeypatch):
     """What the wrapped optimizers run, end to end, with the device taken for CUDA (fused AdamW also runs on CPU):
     from_optimizer of a torch AdamW built with its defaults (which it stores as fused=None, capturable=False in
     every group, and which would override a constructor argument) runs fused; so does the AdamW part of a Muon +
-    AdamW split whose first class is Muon; a group's own foreach gives capturable; an explicit capturable=False
-    is kept."""
+    AdamW split whose first class is Muon; a group's own flags are kept and decide for that group alone; the
+    keyword arguments' flags are optimizer_class's, not another class's; an explicit capturable=False is kept."""
     import acco._validation as V
 
-    real = V.device_resident_state
-    monkeypatch.setattr(V, "device_resident_state",
-                        lambda cls, kwargs, device, groups=(): real(cls, kwargs, torch.device("cuda"), groups))
+    real = V.device_kernel
+    monkeypatch.setattr(V, "device_kernel", lambda cls, chosen, device: real(cls, chosen, torch.device("cuda")))
 
     def flags(optimizer):
         return [(g.get("fused"), g.get("capturable"), g.get("foreach")) for g in optimizer.param_groups]
@@ -377,8 +321,7 @@ def test_the_device_kernel_reaches_the_wrapped_optimizers_groups(monkeypatch):
     opt.step()  # the fused kernel, on CPU
     opt.finish()
 
-    model = make_model()
-    params = list(model.parameters())
+    params = list(make_model().parameters())
     matrices, rest = [params[i] for i in (1, 3)], [p for i, p in enumerate(params) if i not in (1, 3)]
     opt = AccoOptimizer.from_optimizer([torch.optim.Muon(matrices, lr=0.02), torch.optim.AdamW(rest, lr=1e-2)],
                                        mode="acco", microbatches_per_update=2)
@@ -386,14 +329,41 @@ def test_the_device_kernel_reaches_the_wrapped_optimizers_groups(monkeypatch):
     assert isinstance(adamw, torch.optim.AdamW) and flags(adamw) == [(True, False, None)]
     opt.finish()
 
-    model = make_model()
-    params = list(model.parameters())
+    params = list(make_model().parameters())
     opt = AccoOptimizer([{"params": params[:2], "foreach": True}, {"params": params[2:]}], torch.optim.AdamW,
                         mode="acco", microbatches_per_update=2, lr=1e-2)
-    assert flags(opt.local_optimizer) == [(None, True, True), (None, True, None)]
+    assert flags(opt.local_optimizer) == [(None, True, True), (True, False, None)]
     opt.finish()
 
-    opt = AccoOptimizer(make_model().parameters(), torch.optim.AdamW, mode="acco", microbatches_per_update=2,
-                        lr=1e-2, capturable=False)
-    assert flags(opt.local_optimizer) == [(None, False, None)]
+    # AdamW's foreach=True and capturable=False are AdamW's: the Adam and RMSprop groups take the device's kernel
+    params = list(make_model().parameters())
+    opt = AccoOptimizer([{"params": params[:2]}, {"params": params[2:3], "optimizer_class": torch.optim.Adam},
+                         {"params": params[3:], "optimizer_class": torch.optim.RMSprop}], torch.optim.AdamW,
+                        mode="acco", microbatches_per_update=2, lr=1e-2, foreach=True, capturable=False)
+    assert [flags(o) for o in opt.local_optimizers] == [[(None, False, True)], [(True, False, None)],
+                                                        [(None, True, None)]]
     opt.finish()
+
+
+def test_a_plain_state_dict_keeps_this_runs_kernel():
+    """load_consolidated_state_dict of a plain (foreach) AdamW's state dict into a fused ACCO: the groups keep
+    fused=True (the saved fused=None, foreach=None would switch the kernel off), the step count is where the
+    fused kernel reads it, and training goes on."""
+    model = make_model()
+    plain = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for j in range(2):
+        loss_fn(model, 0, j).backward()
+        plain.step()
+        plain.zero_grad()
+    opt = AccoOptimizer(model.parameters(), torch.optim.AdamW, mode="acco", microbatches_per_update=2, lr=1e-2,
+                        fused=True)
+    opt.load_consolidated_state_dict(plain.state_dict())
+    assert [g["fused"] for g in opt.local_optimizer.param_groups] == [True]
+    step = next(iter(opt.local_optimizer.state.values()))["step"]
+    assert step.item() == 2 and step.dtype == torch.float32
+    for j in range(2):
+        loss_fn(model, 0, 2 + j).backward()
+    opt.step()
+    opt.finish()
+    assert next(iter(opt.local_optimizer.state.values()))["step"].item() == 3
+    assert [g["fused"] for g in opt.param_groups + opt.local_optimizer.param_groups] == [True, True]

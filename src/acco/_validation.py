@@ -12,6 +12,8 @@ from typing import Any, Dict, Iterable, List, Optional
 import torch
 import torch.distributed as dist
 
+from .state.format import IMPLEMENTATION_FLAGS
+
 MODES = ("acco", "dpu", "sync")
 
 
@@ -53,22 +55,23 @@ def other_class_defaults(groups: List[Dict[str, Any]], classes: List[type], defa
     from .wrapped import class_defaults
 
     def own(cls: type) -> Dict[str, Any]:  # less the kernel flags: where a group gives none, none was chosen
-        return {k: v for k, v in class_defaults(cls).items() if k not in KERNEL_FLAGS}
+        return {k: v for k, v in class_defaults(cls).items() if k not in IMPLEMENTATION_FLAGS}
 
     return [g if cls is default else {**own(cls), **g, "optimizer_class": cls} for g, cls in zip(groups, classes)]
 
 
-def drop_foreign_defaults(groups: List[Dict[str, Any]], classes: List[type], default: type,
-                          kwargs: Dict[str, Any]) -> None:
+def drop_foreign_defaults(groups: List[Dict[str, Any]], given: List[Iterable[str]], classes: List[type],
+                          default: type, kwargs: Dict[str, Any]) -> None:
     """Remove from the groups of another class the keys torch filled in from ``**optimizer_kwargs`` that the
-    class does not take (AdamW's ``betas`` in a Muon group)."""
+    class does not take (AdamW's ``betas`` in a Muon group), and the kernel flags (``foreach``, ...) that the
+    group was not given: those chose ``optimizer_class``'s kernel, not this class's."""
     from .wrapped import class_defaults
 
-    for g, cls in zip(groups, classes):
+    for g, keys, cls in zip(groups, given, classes):
         if cls is not default:
             own = class_defaults(cls)
             for key in kwargs:
-                if key not in own and key in g:
+                if key in g and (key not in own or (key in IMPLEMENTATION_FLAGS and key not in keys)):
                     del g[key]
 
 
@@ -388,9 +391,6 @@ def check_params(params: Iterable[torch.Tensor], compute_dtype: Optional[torch.d
         )
 
 
-# How torch runs a step, not what it computes. torch stores each of them in every optimizer's defaults and
-# groups, so in what is read off a built optimizer (from_optimizer, a Trainer's) a default value is no choice.
-KERNEL_FLAGS = ("foreach", "fused", "capturable", "differentiable")
 # Adam and AdamW on CUDA: the fused kernel unless the user chose a kernel. It keeps the step count on the
 # device, skips a flagged step by itself (found_inf, so no snapshot to undo it), and holds the host for an
 # eighth of the foreach kernels' time per update (docs/gpu.md, "Time per update").
@@ -398,39 +398,38 @@ FUSED_BY_DEFAULT = (torch.optim.Adam, torch.optim.AdamW)
 
 
 def without_default_kernel_flags(options: Dict[str, Any], cls: type) -> Dict[str, Any]:
-    """``options`` (a built optimizer's group or defaults) less the kernel flags at ``cls``'s constructor default."""
+    """``options`` (a built optimizer's group or defaults) less the kernel flags (``IMPLEMENTATION_FLAGS``) at
+    ``cls``'s constructor default: torch stores every flag in every group, so read off a built optimizer
+    (``from_optimizer``, a Trainer's) a default value is no choice."""
     from .wrapped import class_defaults
 
     own = class_defaults(cls)
-    return {k: v for k, v in options.items() if not (k in KERNEL_FLAGS and k in own and v == own[k])}
+    return {k: v for k, v in options.items() if not (k in IMPLEMENTATION_FLAGS and k in own and v == own[k])}
 
 
-def device_resident_state(optimizer_class: type, kwargs: Dict[str, Any], device: torch.device,
-                          groups: Iterable[Dict[str, Any]] = ()) -> Dict[str, Any]:
-    """``kwargs`` for building ``optimizer_class`` on ``device``: on CUDA with its step counters on the device,
-    Adam and AdamW as their fused kernel (``fused=True``), other classes ``capturable=True`` where they take it.
+def device_kernel(optimizer_class: type, chosen: Dict[str, Any], device: torch.device) -> Dict[str, Any]:
+    """The kernel flags to add to a param group of ``optimizer_class`` on ``device``, given the flags the group
+    holds (``chosen``: the user's): on CUDA its step count on the device, Adam and AdamW as their fused kernel
+    (``fused=True``), other classes ``capturable=True`` where they take it.
 
     The same update (to rounding); what changes is that a round undoes a step
     skipped for a non-finite gradient on the device, with no host
-    synchronisation. A kernel flag given in ``kwargs`` or in any of the
-    class's ``groups`` is the user's choice: ``fused=True``, ``capturable``
-    or ``differentiable`` leave everything as given; ``fused=False`` or
-    ``foreach`` keep Adam and AdamW off the fused kernel (``capturable=True``
-    then). A class with neither option (Adagrad) decides a skip on the host,
-    one sync per round.
+    synchronisation. ``fused=True``, ``capturable`` or ``differentiable=True``
+    chosen: nothing added; ``fused=False`` or ``foreach`` chosen keep Adam and
+    AdamW off the fused kernel (``capturable=True`` then). A class with neither
+    option (Adagrad) decides a skip on the host, one sync per round.
     """
     if torch.device(device).type != "cuda":
-        return kwargs
-    chosen = {k: v for g in [*groups, kwargs] for k, v in g.items() if k in KERNEL_FLAGS}
-    if chosen.get("fused") or "capturable" in chosen or "differentiable" in chosen:
-        return kwargs
+        return {}
+    if chosen.get("fused") or "capturable" in chosen or chosen.get("differentiable"):
+        return {}
     if optimizer_class in FUSED_BY_DEFAULT and "fused" not in chosen and "foreach" not in chosen:
-        return {**kwargs, "fused": True}
+        return {"fused": True}
     try:
         accepts = "capturable" in inspect.signature(optimizer_class.__init__).parameters
     except (TypeError, ValueError):
         accepts = False
-    return {**kwargs, "capturable": True} if accepts else kwargs
+    return {"capturable": True} if accepts else {}
 
 
 def check_accumulation_dtype(accumulation_dtype: Optional[torch.dtype], compute_dtype: torch.dtype) -> torch.dtype:

@@ -54,7 +54,7 @@ from .progress import Progress
 from .rounds import OptimizerSnapshot, RoundContext, RoundKind
 from .scheduler import StreamScheduler
 from .session import Session
-from .state.format import FORMAT_VERSION, StateOwners
+from .state.format import FORMAT_VERSION, IMPLEMENTATION_FLAGS, StateOwners
 from .wrapped import WrappedOptimizers, class_name, placement_cost, placement_of
 
 __all__ = ["AccoOptimizer", "hyper_fingerprint"]
@@ -245,8 +245,9 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         groups = V.normalize_param_groups(params)
         classes = [V.group_class(g, gi, optimizer_class) for gi, g in enumerate(groups)]
         groups = V.other_class_defaults(groups, classes, optimizer_class)
+        given = [set(g) for g in groups]  # before torch fills every group from optimizer_kwargs
         super().__init__(groups, dict(optimizer_kwargs))
-        V.drop_foreign_defaults(self.param_groups, classes, optimizer_class, optimizer_kwargs)
+        V.drop_foreign_defaults(self.param_groups, given, classes, optimizer_class, optimizer_kwargs)
         self._params: List[torch.Tensor] = [p for g in self.param_groups for p in g["params"]]
         V.check_params(self._params, compute_dtype)
         # DTensor parameters (tensor parallel): ACCO works on each rank's local shards (the same storage).
@@ -309,10 +310,11 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         self._flat = FlatBuffers(local, self.layout, self.rank, o.compute_dtype, o.accumulation_dtype, o.reduce_dtype,
                                  separate_grads=o.accumulate_while_communicating,
                                  collectives=ring_algorithm(round_group), estimate_dtype=o.estimate_dtype)
-        # Each class's kernel on this device, from what the keyword arguments and its groups chose
-        kwargs = {cls: V.device_resident_state(cls, optimizer_kwargs if cls is optimizer_class else {}, device,
-                                               [g for g, c in zip(self.param_groups, classes) if c is cls])
-                  for cls in dict.fromkeys(classes)}
+        # Each group's kernel on this device (fused Adam/AdamW on CUDA), from the kernel flags it holds: its own
+        # and, for optimizer_class, the keyword arguments'. In the group, as a group's keys override a constructor's.
+        for g, cls in zip(self.param_groups, classes):
+            g.update(V.device_kernel(cls, {k: g[k] for k in IMPLEMENTATION_FLAGS if k in g}, device))
+        kwargs = {optimizer_class: dict(optimizer_kwargs)}
         self._wrapped = WrappedOptimizers(self.layout, self.rank, self._flat.shard.master, self._flat.shard.grad,
                                           self.param_groups, classes, kwargs, index_of_group)
         # Fill every group with its wrapped optimizer's defaults: param_groups is the live truth rounds read.

@@ -15,7 +15,8 @@ import torch.distributed as dist
 
 from ..agreement import snapshot_hyperparams
 from ..collectives import all_gather_flat
-from .format import StateOwners
+from .format import IMPLEMENTATION_FLAGS, StateOwners
+from .pieces import scalar_state
 
 __all__ = ["consolidated_state_dict", "load_consolidated_state_dict"]
 
@@ -122,13 +123,13 @@ def load_consolidated_state_dict(owners: StateOwners, sd: Dict[str, Any], params
                 if torch.is_tensor(value) and value.dim() >= 1:
                     value = value if whole else value.reshape(-1)[pc.param_start : pc.param_end]
                     value = value.to(master.device, master.dtype).clone()
-                elif torch.is_tensor(value):
-                    value = value.clone()
+                elif torch.is_tensor(value):  # step where this run's kernel reads it (fused: on the device)
+                    value = scalar_state(key, value, wrapped.tensor(i), wrapped.group_of(i))
                 state[key] = value
             if state:
                 wrapped.set_state(i, state)
     for group, saved_group in zip(owners.param_groups, sd["param_groups"]):
         for key, value in saved_group.items():
-            if key != "params":
+            if key != "params" and key not in IMPLEMENTATION_FLAGS:  # the kernel stays this run's (its device's)
                 group[key] = value
     owners.progress.update_hyper = snapshot_hyperparams(owners.param_groups)
