@@ -150,7 +150,7 @@ cases = [
   "        r = min(fits, key=lambda r: (cost[r], elements[r], r))", "        r = max(fits, key=lambda r: (cost[r], elements[r], r))",
   "tests/test_placement.py -k split"),
  ("M58 the Muon group's hyper-parameters filled from AdamW's", "src/acco/_validation.py",
-  "            for key in kwargs:\n                if key not in own and key in g:", "            for key in []:\n                if key not in own and key in g:",
+  "            for key in kwargs:\n                if key in g and (key not in own", "            for key in []:\n                if key in g and (key not in own",
   "tests/test_whole_tensors.py -k from_optimizer"),
  ("M59 a collective call's first exchange skips the rounds' group (a rank one update ahead waits for a timeout)",
   "src/acco/session.py", "        if call in agreement.CALLS_AFTER_ROUNDS:", "        if False:",
