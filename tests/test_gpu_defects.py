@@ -367,3 +367,55 @@ def test_a_plain_state_dict_keeps_this_runs_kernel():
     opt.finish()
     assert next(iter(opt.local_optimizer.state.values()))["step"].item() == 3
     assert [g["fused"] for g in opt.param_groups + opt.local_optimizer.param_groups] == [True, True]
+
+
+def test_implementation_flags_are_not_checkpointed():
+    """capturable (set on CUDA), fused, foreach: how this run computes, not what; a GPU checkpoint must load on
+    a CPU, so they are neither saved nor restored."""
+    model = make_model()
+    opt = AccoOptimizer(model.parameters(), mode="sync", microbatches_per_update=1, lr=1e-2)
+    loss_fn(model, 0, 0).backward()
+    opt.step()
+    opt.zero_grad()
+    opt.param_groups[0]["capturable"] = True  # as a CUDA run's group would say
+    sd = opt.state_dict()
+    opt.param_groups[0]["capturable"] = False
+    assert not any(k.split(".", 1)[1] in ("capturable", "fused", "foreach", "differentiable") for k in sd["hyper"])
+    assert any(k.endswith(".lr") for k in sd["hyper"])
+    opt.load_state_dict(sd)
+    assert opt.param_groups[0]["capturable"] is False
+    loss_fn(model, 0, 1).backward()
+    opt.step()
+    opt.finish()
+
+
+def _reduce_dtype_worker(rank: int, world: int) -> dict:
+    out = {}
+    for name, rd in (("fp32", None), ("bf16", torch.bfloat16)):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(), torch.nn.Linear(64, 32))
+        opt = AccoOptimizer(model.parameters(), torch.optim.AdamW, compute_dtype=torch.bfloat16, reduce_dtype=rd,
+                            microbatches_per_update=2, lr=1e-3)
+        g = torch.Generator().manual_seed(rank)
+        for _ in range(4):
+            for _ in range(2):
+                x = torch.randn(8, 32, generator=g).bfloat16()
+                (model(x).float().pow(2).mean() / 2).backward()
+            opt.step()
+            opt.zero_grad()
+        opt.finish()
+        out[name] = torch.cat([p.detach().float().flatten() for p in model.parameters()])
+        out[name + "_comm"] = opt.memory_report()["comm"]
+    return out
+
+
+def test_reduce_dtype_bf16_across_ranks():
+    """Two gloo ranks (the ring reduce-scatter in bf16): the ranks agree, the run stays close to the fp32
+    reduction's (differences of bf16 rounding only) without being it, and the round buffer is halved."""
+    from _dist import run_ranks
+
+    r0, r1 = run_ranks(_reduce_dtype_worker, 2, timeout=120)
+    assert torch.equal(r0["bf16"], r1["bf16"]) and torch.equal(r0["fp32"], r1["fp32"])
+    diff = ((r0["bf16"] - r0["fp32"]).norm() / r0["fp32"].norm()).item()
+    assert 0 < diff < 1e-2, diff
+    assert r0["bf16_comm"] * 2 == r0["fp32_comm"]
