@@ -425,11 +425,9 @@ def device_kernel(optimizer_class: type, chosen: Dict[str, Any], device: torch.d
         return {}
     if optimizer_class in FUSED_BY_DEFAULT and "fused" not in chosen and "foreach" not in chosen:
         return {"fused": True}
-    try:
-        accepts = "capturable" in inspect.signature(optimizer_class.__init__).parameters
-    except (TypeError, ValueError):
-        accepts = False
-    return {"capturable": True} if accepts else {}
+    from .wrapped import class_defaults
+
+    return {"capturable": True} if "capturable" in class_defaults(optimizer_class) else {}
 
 
 def check_accumulation_dtype(accumulation_dtype: Optional[torch.dtype], compute_dtype: torch.dtype) -> torch.dtype:

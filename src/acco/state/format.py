@@ -40,7 +40,7 @@ FORMAT_VERSION = 3
 GATHERED = "acco_ranks"  # acco.checkpoint.gather(): every rank's state_dict(), in rank order
 
 # Param-group keys that choose how the wrapped optimizer computes, not what: neither saved nor restored, so a
-# checkpoint taken on a GPU (capturable=True there, see _validation.device_resident_state) resumes on a CPU.
+# checkpoint taken on a GPU (fused or capturable there, see _validation.device_kernel) resumes on a CPU.
 IMPLEMENTATION_FLAGS = frozenset({"foreach", "fused", "capturable", "differentiable"})
 
 
