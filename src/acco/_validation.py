@@ -13,6 +13,7 @@ import torch
 import torch.distributed as dist
 
 from .state.format import IMPLEMENTATION_FLAGS
+from .wrapped import class_defaults
 
 MODES = ("acco", "dpu", "sync")
 
@@ -52,8 +53,6 @@ def group_class(group: Dict[str, Any], index: int, default: type) -> type:
 def other_class_defaults(groups: List[Dict[str, Any]], classes: List[type], default: type) -> List[Dict[str, Any]]:
     """A group of another class than ``optimizer_class`` takes its class's defaults, not ``**optimizer_kwargs``
     (which are ``optimizer_class``'s): filled in before torch fills every group from the latter."""
-    from .wrapped import class_defaults
-
     def own(cls: type) -> Dict[str, Any]:  # less the kernel flags: where a group gives none, none was chosen
         return {k: v for k, v in class_defaults(cls).items() if k not in IMPLEMENTATION_FLAGS}
 
@@ -65,8 +64,6 @@ def drop_foreign_defaults(groups: List[Dict[str, Any]], given: List[Iterable[str
     """Remove from the groups of another class the keys torch filled in from ``**optimizer_kwargs`` that the
     class does not take (AdamW's ``betas`` in a Muon group), and the kernel flags (``foreach``, ...) that the
     group was not given: those chose ``optimizer_class``'s kernel, not this class's."""
-    from .wrapped import class_defaults
-
     for g, keys, cls in zip(groups, given, classes):
         if cls is not default:
             own = class_defaults(cls)
@@ -401,8 +398,6 @@ def without_default_kernel_flags(options: Dict[str, Any], cls: type) -> Dict[str
     """``options`` (a built optimizer's group or defaults) less the kernel flags (``IMPLEMENTATION_FLAGS``) at
     ``cls``'s constructor default: torch stores every flag in every group, so read off a built optimizer
     (``from_optimizer``, a Trainer's) a default value is no choice."""
-    from .wrapped import class_defaults
-
     own = class_defaults(cls)
     return {k: v for k, v in options.items() if not (k in IMPLEMENTATION_FLAGS and k in own and v == own[k])}
 
@@ -425,8 +420,6 @@ def device_kernel(optimizer_class: type, chosen: Dict[str, Any], device: torch.d
         return {}
     if optimizer_class in FUSED_BY_DEFAULT and "fused" not in chosen and "foreach" not in chosen:
         return {"fused": True}
-    from .wrapped import class_defaults
-
     return {"capturable": True} if "capturable" in class_defaults(optimizer_class) else {}
 
 
