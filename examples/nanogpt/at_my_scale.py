@@ -92,8 +92,8 @@ def power_law(xy: List[Tuple[float, float]]) -> Optional[float]:
 
 def fits(pts: List[dict], axis: str) -> Dict[str, float]:
     """The exponents of the extra updates along ``axis`` ("width" at the base batch, "tokens" at the base width),
-    4 layers: ``{"all points": a, "3-seed points": a}`` (a fit is left out where it has too few points, and the
-    second where it is the first); for "tokens" also ``{"flat": 0.0}``."""
+    4 layers: ``{"all points": a, "3-seed points": a}``. A fit with too few points is left out, and so is the
+    3-seed fit where every point has 3 seeds (it is the same fit); "tokens" also has ``{"flat": 0.0}``."""
     other = {"width": ("tokens", BASE_TOKENS), "tokens": ("width", BASE_WIDTH)}[axis]
     on = [p for p in pts if p["layers"] == BASE_LAYERS and p[other[0]] == other[1] and p["mean"] is not None]
     out = {"flat": 0.0} if axis == "tokens" else {}
