@@ -7,7 +7,8 @@ width, side by side, the power laws through them, and what those laws predict fo
 Each set-up (a model and a batch) is one ``config`` of the time-to-target records (``time_to_target.py``, AdamW,
 warm-up 100, WSD, ``T`` = 500, cooled to 0). Its point is the default's (``acco-bf16``) updates ratio at DDP's
 best LR for that set-up (the lowest mean of DDP's fully decayed losses over the seeds every LR shares), per seed
-and on the mean, computed from the records exactly as the time-to-target report does.
+and on the mean, computed from the records as the time-to-target report computes a finished search (a seed whose
+search is still going on is left out here).
 
 The extra updates ``e = ratio - 1`` are fitted as power laws by least squares in log-log space: against the width
 at the base batch (16,384 tokens, 4 layers), and against the tokens per update at the base width (128). Each law
@@ -138,7 +139,8 @@ def markdown(pts: List[dict], width: int, tokens: int) -> str:
                                                                                 f"{BASE_WIDTH} wide")):
         laws = fits(pts, axis)
         out.append(f"- Extra updates against the {name}: " + (", ".join(
-            f"∝ {axis}^{a:+.2f} ({n})" if n != "flat" else "flat" for n, a in laws.items()) or "too few points") + ".")
+            f"∝ {axis}^{a:+.2f} ({n})" if n != "flat" else "flat" for n, a in laws.items())
+            or "no law (fewer than two points, or a point with no extra updates)") + ".")
     if base is not None and preds:
         lo, hi = min(p["ratio"] for p in preds), max(p["ratio"] for p in preds)
         out += ["", f"**Predicted, not measured**, at {width} wide and {tokens:,} tokens per update (4 layers' "
@@ -160,10 +162,15 @@ def main(argv=None) -> None:
     p.add_argument("--tokens", type=int, default=524288, help="the prediction's tokens per update (0.5M)")
     p.add_argument("--print", action="store_true", help="print the block instead of writing it into --doc")
     args = p.parse_args(argv)
+    if args.width <= 0 or args.tokens <= 0:
+        p.error(f"--width and --tokens must be positive, got {args.width} and {args.tokens}")
+    if (args.width, args.tokens) != (p.get_default("width"), p.get_default("tokens")) and not args.print:
+        p.error(f"the page's block is GPT-2 small's (768 wide, 524,288 tokens): for {args.width} wide and "
+                f"{args.tokens:,} tokens pass --print")
     records = [r for path in args.records for r in load_records(path)]
     block = markdown(points(records), args.width, args.tokens)
     if args.print:
-        print(block)
+        print(block[len(BEGIN):-len(END)].strip())
         return
     text = args.doc.read_text() if args.doc.exists() else ""
     if BEGIN in text and END in text:
