@@ -128,7 +128,6 @@ def test_the_block_goes_between_its_markers_and_keeps_the_page(tmp_path):
     assert f"**{min(lo, 1 + _law(768, 524288)):.3f}–{1 + 0.05 * 6 ** -0.5:.3f}×**" in text
 
 
-
 @pytest.mark.parametrize("argv,says", [(["--width", "0", "--print"], "must be positive, got 0 and 524288"),
                                        (["--width", "1024"], "for 1024 wide and 524,288 tokens pass --print")])
 def test_bad_scales_are_refused_before_the_page_is_touched(tmp_path, argv, says):

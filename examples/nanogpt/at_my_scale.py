@@ -29,8 +29,8 @@ from typing import Dict, List, Optional, Tuple
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from study import ROOT, load_records  # noqa: E402
-from time_to_target import ddp_best_lrs, search_state  # noqa: E402
+from study import ROOT, load_records, write_block  # noqa: E402
+from time_to_target import branches_of, ddp_best_lrs, search_state, target_of  # noqa: E402
 
 RECORDS = ["time_to_target.jsonl", "ttt_batch.jsonl", "ttt_batch65k.jsonl", "ttt_width.jsonl", "ttt_width256.jsonl"]
 METHOD, WARMUP, T, FLOOR = "acco-bf16", 100, 500, 0.0
@@ -63,11 +63,9 @@ def points(records: List[dict]) -> List[dict]:
         lr, lrs = best
         ratios, bounds = {}, {}
         for seed in sorted({d["seed"] for d in ddp if d["lr"] == lr and d["T"] == T and d["floor"] == FLOOR}):
-            target = next(d["loss"] for d in ddp if (d["lr"], d["seed"], d["T"], d["floor"]) == (lr, seed, T, FLOOR))
-            losses = {(int(r["T"]), float(r["floor"])): r["final_val_loss"] for r in recs
-                      if r["kind"] == "branch" and r["method"] == METHOD and float(r["lr"]) == lr
-                      and int(r["seed"]) == seed}
-            _, result = search_state(losses, target, T, FLOOR)
+            line = {"method": METHOD, "lr": lr, "warmup": WARMUP, "seed": seed}
+            target = target_of(recs, line, config, T, FLOOR)
+            _, result = search_state(branches_of(recs, line, config), target, T, FLOOR)
             if result is None or result.get("searching"):
                 continue
             if result["ratio"] is None:
@@ -172,12 +170,7 @@ def main(argv=None) -> None:
     if args.print:
         print(block[len(BEGIN):-len(END)].strip())
         return
-    text = args.doc.read_text() if args.doc.exists() else ""
-    if BEGIN in text and END in text:
-        text = text[: text.index(BEGIN)] + block + text[text.index(END) + len(END):]
-    else:
-        text = text.rstrip() + "\n\n" + block + "\n"
-    args.doc.write_text(text)
+    write_block(args.doc, block, BEGIN, END)
     print(f"at my scale: {len(records)} records -> {args.doc}")
 
 

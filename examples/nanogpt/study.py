@@ -348,7 +348,12 @@ def report_markdown(records: List[dict], s: dict, name: str = "lr-study", prefix
 
 
 def write_doc(doc: Path, block: str, name: str = "lr-study") -> None:
-    begin, end = markers(name)
+    write_block(doc, block, *markers(name))
+
+
+def write_block(doc: Path, block: str, begin: str, end: str) -> None:
+    """Put ``block`` (which starts with ``begin`` and ends with ``end``) in place of the doc's block between those
+    markers, or at the doc's end if it has none; the prose around it is kept."""
     text = doc.read_text() if doc.exists() else ""
     if begin in text and end in text:
         text = text[: text.index(begin)] + block + text[text.index(end) + len(end):]

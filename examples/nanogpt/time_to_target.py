@@ -43,7 +43,7 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
-from study import ROOT, launch, load_records, machine, phase_gaps
+from study import ROOT, launch, load_records, machine, phase_gaps, write_block
 
 # method -> (script, its settings, instrument.py's flags): DDP + AdamW, ACCO as the paper has it (its exact
 # estimate, named: the library's default is "auto"), ACCO with the estimate's gradients in bf16 (the library's
@@ -668,13 +668,7 @@ def report(args: argparse.Namespace) -> dict:
         raise SystemExit(f"no records in {args.records}: run the study first")
     s = summarize(records, args)
     speed = speeds(args.speed)
-    text = args.doc.read_text() if args.doc.exists() else ""
-    block = report_markdown(s, args, speed)
-    if BEGIN in text and END in text:
-        text = text[: text.index(BEGIN)] + block + text[text.index(END) + len(END):]
-    else:
-        text = text.rstrip() + "\n\n" + block + "\n"
-    args.doc.write_text(text)
+    write_block(args.doc, report_markdown(s, args, speed), BEGIN, END)
     if not args.no_plots:
         plot(records, args, args.doc.parent / plot_name(args))
     print(f"report: {s['records']} records -> {args.doc}", flush=True)
