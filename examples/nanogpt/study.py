@@ -9,7 +9,8 @@ Every run is the nanoGPT-style loop of this folder under
 modes. A finished run appends one JSON line to ``--records``; a run whose
 line is there is not run again, so a killed study picks up where it stopped
 (the run in flight starts over). The report reads the records and nothing
-else: the tables go between the study's markers in ``--doc``, the plots
+else, every method of the configuration's records whatever ``--methods``
+names: the tables go between the study's markers in ``--doc``, the plots
 beside it. ``--doc`` defaults to docs/studies/lr-study.md, and with
 ``--optimizer muon`` to docs/studies/muon-study.md (docs/convergence.md, the
 guide, sums both up).
@@ -422,8 +423,10 @@ def plot(records: List[dict], s: dict, out_dir: Path, prefix: str = "convergence
 
 
 def report(args: argparse.Namespace) -> dict:
+    # Every record of this configuration whose method the tool knows, whatever --methods names: a run of a
+    # subset (one method, one seed) must not drop the other columns from the page's block.
     config = config_of(args)
-    records = [r for r in load_records(args.records) if r["config"] == config and r["method"] in args.methods]
+    records = [r for r in load_records(args.records) if r["config"] == config and r["method"] in METHODS]
     if not records:
         raise SystemExit(f"no records for this configuration in {args.records}: run the study first")
     s = summarize(records)
