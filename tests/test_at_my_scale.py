@@ -102,17 +102,20 @@ def test_the_laws_and_the_prediction():
     tool = _tool()
     pts = tool.points(_study())
     width = tool.fits(pts, "width")
-    assert width == {"all points": pytest.approx(-0.5)}  # every width point has 3 seeds: one fit
+    assert width == {"flat": 0.0, "all points": pytest.approx(-0.5)}  # every width point has 3 seeds: one fit
     tokens = tool.fits(pts, "tokens")
     assert tokens["flat"] == 0.0 and tokens["3-seed points"] == pytest.approx(-0.25)
     slope = _tokens_slope()
     assert tokens["all points"] == pytest.approx(slope) and slope < -0.25
     base, preds = tool.predict(pts, 768, 524288)
     assert base["mean"] == pytest.approx(1.05)
-    by = {p["tokens_fit"]: p["ratio"] for p in preds}
-    assert by["flat"] == pytest.approx(1 + 0.05 * 6 ** -0.5)
-    assert by["3-seed points"] == pytest.approx(1 + _law(768, 524288))
-    assert by["all points"] == pytest.approx(1 + 0.05 * 6 ** -0.5 * 32 ** slope)
+    by = {(p["width_fit"], p["tokens_fit"]): p["ratio"] for p in preds}
+    assert len(by) == len(preds) == 6
+    assert by["all points", "flat"] == pytest.approx(1 + 0.05 * 6 ** -0.5)
+    assert by["all points", "3-seed points"] == pytest.approx(1 + _law(768, 524288))
+    assert by["all points", "all points"] == pytest.approx(1 + 0.05 * 6 ** -0.5 * 32 ** slope)
+    assert by["flat", "flat"] == pytest.approx(1.05)  # no change from the base point
+    assert by["flat", "all points"] == pytest.approx(1 + 0.05 * 32 ** slope)
 
 
 def test_the_block_goes_between_its_markers_and_keeps_the_page(tmp_path):
@@ -125,7 +128,8 @@ def test_the_block_goes_between_its_markers_and_keeps_the_page(tmp_path):
     assert text.startswith("# Page\n\nprose before\n") and text.endswith("prose after\n") and "old" not in text
     assert "| 4 × 256 | 16,384 | 0.004 (0.004) | 3 | 1.035, 1.035, 1.035 | 1.035 |" in text
     lo = 1 + 0.05 * 6 ** -0.5 * 32 ** _tokens_slope()
-    assert f"**{min(lo, 1 + _law(768, 524288)):.3f}–{1 + 0.05 * 6 ** -0.5:.3f}×**" in text
+    assert f"**{min(lo, 1 + _law(768, 524288)):.3f}–1.050×**" in text  # the top: both laws flat
+    assert "| flat | flat | 1.050 |" in text
 
 
 @pytest.mark.parametrize("argv,says", [(["--width", "0", "--print"], "must be positive, got 0 and 524288"),

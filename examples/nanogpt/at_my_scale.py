@@ -12,8 +12,10 @@ search is still going on is left out here).
 
 The extra updates ``e = ratio - 1`` are fitted as power laws by least squares in log-log space: against the width
 at the base batch (16,384 tokens, 4 layers), and against the tokens per update at the base width (128). Each law
-is fitted twice, on every point and on the points with 3 seeds, and the batch also as flat (no change), since
-delay theory and the estimate's noise pull it opposite ways (issue #49). The prediction for ``--width`` and
+is fitted twice, on every point and on the points with 3 seeds, and is also taken flat (no change from the base
+point): for the batch because delay theory and the estimate's noise pull it opposite ways (issue #49), for the
+width because a fit through a few points need not hold beyond them, and the points need not lie on one law
+(docs/studies/at-my-scale.md says where they do not). The prediction for ``--width`` and
 ``--tokens`` is the base point's extra updates times both laws, for each pair of fits; it is a prediction, not a
 measurement: depth is not varied and the laws rest on few points.
 """
@@ -91,11 +93,11 @@ def power_law(xy: List[Tuple[float, float]]) -> Optional[float]:
 
 def fits(pts: List[dict], axis: str) -> Dict[str, float]:
     """The exponents of the extra updates along ``axis`` ("width" at the base batch, "tokens" at the base width),
-    4 layers: ``{"all points": a, "3-seed points": a}``. A fit with too few points is left out, and so is the
-    3-seed fit where every point has 3 seeds (it is the same fit); "tokens" also has ``{"flat": 0.0}``."""
+    4 layers: ``{"flat": 0.0, "all points": a, "3-seed points": a}``. A fit with too few points is left out, and so
+    is the 3-seed fit where every point has 3 seeds (it is the same fit)."""
     other = {"width": ("tokens", BASE_TOKENS), "tokens": ("width", BASE_WIDTH)}[axis]
     on = [p for p in pts if p["layers"] == BASE_LAYERS and p[other[0]] == other[1] and p["mean"] is not None]
-    out = {"flat": 0.0} if axis == "tokens" else {}
+    out = {"flat": 0.0}
     every = power_law([(p[axis], p["mean"] - 1) for p in on])
     three = power_law([(p[axis], p["mean"] - 1) for p in on if len(p["ratios"]) >= 3])
     if every is not None:
@@ -121,6 +123,10 @@ def predict(pts: List[dict], width: int, tokens: int) -> Tuple[Optional[dict], L
     return base, out
 
 
+def _law(name: str, exponent: float) -> str:
+    return "flat" if name == "flat" else f"^{exponent:+.2f} ({name})"
+
+
 def markdown(pts: List[dict], width: int, tokens: int) -> str:
     rows = ["| model | tokens per update | DDP's best LR (of) | seeds | per seed | mean |", "|---|---|---|---|---|---|"]
     for p in pts:
@@ -136,17 +142,16 @@ def markdown(pts: List[dict], width: int, tokens: int) -> str:
     for axis, name in (("width", f"width, at {BASE_TOKENS:,} tokens"), ("tokens", f"tokens per update, at "
                                                                                 f"{BASE_WIDTH} wide")):
         laws = fits(pts, axis)
-        out.append(f"- Extra updates against the {name}: " + (", ".join(
-            f"∝ {axis}^{a:+.2f} ({n})" if n != "flat" else "flat" for n, a in laws.items())
-            or "no law (fewer than two points, or a point with no extra updates)") + ".")
+        fitted = ", ".join(f"∝ {axis}^{a:+.2f} ({n})" for n, a in laws.items() if n != "flat")
+        out.append(f"- Extra updates against the {name}: flat, " + (
+            fitted or "no fitted law (fewer than two points, or a point with no extra updates)") + ".")
     if base is not None and preds:
         lo, hi = min(p["ratio"] for p in preds), max(p["ratio"] for p in preds)
         out += ["", f"**Predicted, not measured**, at {width} wide and {tokens:,} tokens per update (4 layers' "
                 f"laws; depth not varied): **{lo:.3f}–{hi:.3f}×** DDP's updates, from the base point's "
                 f"{base['mean']:.3f}:", "", "| width law | batch law | predicted ratio |", "|---|---|---|"]
-        out += [f"| ^{p['a']:+.2f} ({p['width_fit']}) | "
-                + ("flat" if p["tokens_fit"] == "flat" else f"^{p['b']:+.2f} ({p['tokens_fit']})")
-                + f" | {p['ratio']:.3f} |" for p in preds]
+        out += [f"| {_law(p['width_fit'], p['a'])} | {_law(p['tokens_fit'], p['b'])} | {p['ratio']:.3f} |"
+                for p in preds]
     out += ["", END]
     return "\n".join(out)
 
