@@ -12,10 +12,10 @@ search is still going on is left out here).
 
 The extra updates ``e = ratio - 1`` are fitted as power laws by least squares in log-log space: against the width
 at the base batch (16,384 tokens, 4 layers), and against the tokens per update at the base width (128). Each law
-is fitted twice, on every point and on the points with 3 seeds, and is also taken flat (no change from the base
-point): for the batch because delay theory and the estimate's noise pull it opposite ways (issue #49), for the
-width because a fit through a few points need not hold beyond them, and the points need not lie on one law
-(docs/studies/at-my-scale.md says where they do not). The prediction for ``--width`` and
+is fitted on every point, again on the 3-seed points where some point has fewer, and is also taken flat (no
+change from the base point): for the batch because delay theory and the estimate's noise pull it opposite ways
+(issue #49), for the width because a fit through a few points need not hold beyond them, and the points need not
+lie on one law (docs/studies/at-my-scale.md says where they do not). The prediction for ``--width`` and
 ``--tokens`` is the base point's extra updates times both laws, for each pair of fits; it is a prediction, not a
 measurement: depth is not varied and the laws rest on few points.
 """
@@ -143,7 +143,7 @@ def markdown(pts: List[dict], width: int, tokens: int) -> str:
                                                                                 f"{BASE_WIDTH} wide")):
         laws = fits(pts, axis)
         fitted = ", ".join(f"∝ {axis}^{a:+.2f} ({n})" for n, a in laws.items() if n != "flat")
-        out.append(f"- Extra updates against the {name}: flat, " + (
+        out.append(f"- Extra updates against the {name}: flat, or " + (
             fitted or "no fitted law (fewer than two points, or a point with no extra updates)") + ".")
     if base is not None and preds:
         lo, hi = min(p["ratio"] for p in preds), max(p["ratio"] for p in preds)

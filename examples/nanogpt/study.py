@@ -9,8 +9,9 @@ Every run is the nanoGPT-style loop of this folder under
 modes. A finished run appends one JSON line to ``--records``; a run whose
 line is there is not run again, so a killed study picks up where it stopped
 (the run in flight starts over). The report reads the records and nothing
-else, every method of the configuration's records whatever ``--methods``
-names: the tables go between the study's markers in ``--doc``, the plots
+else: every record of the configuration whose method the tool knows, whatever
+``--methods``, ``--lrs`` or ``--seeds`` name. The tables go between the
+study's markers in ``--doc``, the plots
 beside it. ``--doc`` defaults to docs/studies/lr-study.md, and with
 ``--optimizer muon`` to docs/studies/muon-study.md (docs/convergence.md, the
 guide, sums both up).
