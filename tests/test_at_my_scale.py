@@ -3,7 +3,6 @@ ratios are known by construction (extra updates = 0.05 x (width / 128)^-0.5 x (t
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import os
@@ -12,23 +11,15 @@ import sys
 
 import pytest
 
+from _examples import load_example
+
 TOOL = os.path.join(os.path.dirname(__file__), "..", "examples", "nanogpt", "at_my_scale.py")
 
 
 def _tool():
     """The tool by path, with its folder's ``study`` and ``time_to_target`` (other folders have modules of the
     same names, which another test may have imported first)."""
-    saved = {name: sys.modules.pop(name, None) for name in ("study", "time_to_target")}
-    try:
-        spec = importlib.util.spec_from_file_location("nanogpt_at_my_scale", TOOL)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        for name, mod in saved.items():
-            sys.modules.pop(name, None)
-            if mod is not None:
-                sys.modules[name] = mod
-    return module
+    return load_example(TOOL, "nanogpt_at_my_scale")
 
 
 def _config(width, tokens, **extra):

@@ -13,6 +13,7 @@ import re
 import sys
 
 from _dist import run_command
+from _examples import load_example
 import pytest
 
 pytestmark = pytest.mark.slow  # make test-all only: the study's smoke
@@ -67,11 +68,7 @@ def test_study_smoke_reports_what_its_records_hold(tmp_path):
 
 def test_the_plan_runs_each_method_where_the_study_needs_it(tmp_path):
     """The default plan: DDP and acco at every LR and seed, DPU at seed 0, the remedy at --remedy-lrs only."""
-    sys.path.insert(0, os.path.dirname(STUDY))
-    try:
-        import study
-    finally:
-        sys.path.pop(0)
+    study = load_example(STUDY, "nanogpt_study")
     args = study.parse(["--records", str(tmp_path / "none.jsonl")])
     runs = study.plan(args)
     by_method = {m: sorted((lr, seed) for mm, lr, seed in runs if mm == m) for m in args.methods}

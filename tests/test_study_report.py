@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 
+from _examples import load_example
 from test_lr_study import _cells
 
 HERE = os.path.join(os.path.dirname(__file__), "..", "examples", "nanogpt")
@@ -18,12 +18,8 @@ ITERS = 12
 
 
 def _study():
-    sys.path.insert(0, HERE)
-    try:
-        import study
-    finally:
-        sys.path.pop(0)
-    return study
+    """The study's module by path (examples/gpt has a study.py too, which another test may have imported)."""
+    return load_example(os.path.join(HERE, "study.py"), "nanogpt_study")
 
 
 def _record(study, args, method: str, lr: float, seed: int, loss: float, config=None) -> dict:

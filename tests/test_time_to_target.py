@@ -16,6 +16,7 @@ import sys
 import pytest
 
 from _dist import run_command
+from _examples import load_example
 
 pytestmark = pytest.mark.slow  # make test-all only: the study's smoke
 
@@ -29,19 +30,7 @@ TINY = ["--methods", "ddp,acco", "--seeds", "0", "--warmups", "2", "--lengths", 
 
 def _tool():
     """The study's module, by path: ``benchmarks/time_to_target.py`` has the same name and may be imported first."""
-    import importlib.util
-
-    sys.path.insert(0, os.path.dirname(TOOL))  # its own import of examples/nanogpt/study.py, not another study
-    other = sys.modules.pop("study", None)
-    try:
-        spec = importlib.util.spec_from_file_location("nanogpt_time_to_target", TOOL)
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(os.path.dirname(TOOL))
-        if other is not None:
-            sys.modules["study"] = other
-    return module
+    return load_example(TOOL, "nanogpt_time_to_target")
 
 
 def expected_ratio(branches: dict, target: float, t_ddp: int):
