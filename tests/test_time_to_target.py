@@ -125,6 +125,33 @@ def test_search_outcomes_in_the_report(tmp_path, losses, expect, mean):
     assert _row(text, "ACCO", 12)[4] == expect and _row(text, "ACCO", 12)[5] == mean
 
 
+def test_cap_first_asks_for_the_longest_length_after_ddps_and_ends_there_if_it_misses():
+    """--cap-first: above the target at DDP's length, the longest length (18 of 12) comes next, and the trunk runs
+    to its start at once; a longest length above the target ends the search with the full walk's bound, whether or
+    not the flag ran it; one below leaves the walk as it was (13, then 14, ...). Without the flag nothing moves."""
+    ttt = _tool()
+    state = lambda losses, cap_first: ttt.search_state(losses, 2.0, 12, 0.0, cap_first)  # noqa: E731
+    assert state({(12, 0.0): 2.1}, False) == (13, ttt.beyond(">", 1.0, searching=True))
+    assert state({(12, 0.0): 2.1}, True) == (18, ttt.beyond(">", 1.0, searching=True))
+    assert state({(12, 0.0): 1.9}, True) == (11, ttt.beyond("<", 1.0, searching=True))  # below: as before
+    for flag in (False, True):  # the cap missed: done, as the walk through 13, 14 and 16 would end
+        assert state({(12, 0.0): 2.1, (18, 0.0): 2.01}, flag) == (None, ttt.beyond(">", 18 / 12))
+    assert state({(12, 0.0): 2.1, (18, 0.0): 1.99}, True)[0] == 13  # the cap reached it: the walk goes on
+    t, done = state({(12, 0.0): 2.1, (13, 0.0): 2.05, (14, 0.0): 2.02, (16, 0.0): 2.01, (18, 0.0): 1.99}, True)
+    assert (t, done["bracket"], done["updates"]) == (None, [16, 18], pytest.approx(17.0))  # 16 + 2 * 0.01 / 0.02
+    args = ttt.parse([*TINY])
+    line = next(x for x in ttt.lines(args) if x["method"] == "acco")
+    capped = ttt.parse([*TINY, "--cap-first"])
+    assert (ttt.trunk_length(args, line), ttt.trunk_length(capped, line)) == (11, 14)  # 14: 18's start
+    records = [{"kind": "branch", "method": "ddp", "lr": 2e-3, "warmup": 2, "seed": 0, "config": ttt.config_of(args),
+                "T": 12, "floor": 0.0, "final_val_loss": 2.0},
+               {"kind": "trunk", "method": "acco", "lr": 2e-3, "warmup": 2, "seed": 0, "config": ttt.config_of(args)},
+               {"kind": "branch", "method": "acco", "lr": 2e-3, "warmup": 2, "seed": 0, "config": ttt.config_of(args),
+                "T": 12, "floor": 0.0, "final_val_loss": 2.1}]
+    records.insert(1, {**records[1], "method": "ddp"})
+    assert (ttt.next_job(args, records)["T"], ttt.next_job(capped, records)["T"]) == (13, 18)
+
+
 def test_mean_over_seeds_with_a_bound():
     """Check the mean of an exact seed and a bounded one is a bound on that side, and both sides give none."""
     ttt = _tool()

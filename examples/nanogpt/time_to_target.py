@@ -75,6 +75,9 @@ METHODS: Dict[str, Tuple[str, List[str], List[str]]] = {
 # The branch lengths searched, as multiples of DDP's length, from 1 up (or down to 11/12) until two bracket DDP's
 # loss. A trunk first runs to the start of the longest of TRUNK_RATIOS' branches; the longer lengths, for a method
 # far from DDP (warm-up 20: more than 14/12 on two seeds of three), extend it from its latest checkpoint if asked.
+# With --cap-first, a method expected beyond the longest length runs that one right after DDP's own (its trunk runs
+# to that start at once): a cap that misses DDP's loss too ends the search there, with the bound the full walk
+# would give under the walk's own assumption (loss falls with length); a cap that reaches it leaves the walk as is.
 RATIOS = (11 / 12, 1.0, 13 / 12, 14 / 12, 16 / 12, 18 / 12)
 TRUNK_RATIOS = RATIOS[:4]
 GOAL_TIME = 0.75  # issue #28's goal: DDP's target in at most 0.75x DDP's wall-clock (and 1.03x its updates)
@@ -126,11 +129,11 @@ def lines(args: argparse.Namespace) -> List[dict]:
 
 
 def trunk_length(args: argparse.Namespace, line: dict) -> int:
-    """A trunk runs to the start of the last branch its line may need."""
+    """A trunk runs to the start of the last branch its line may need (with --cap-first, the longest length's)."""
     if line["branches"]:
         return max(start_of(t, args.cooldown_frac) for t, _ in line["branches"])
     return max(start_of(length_of(t, r), args.cooldown_frac) for t, _ in line["search"]
-               for r in TRUNK_RATIOS)
+               for r in (RATIOS if args.cap_first else TRUNK_RATIOS))
 
 
 def length_of(t_ddp: int, ratio: float) -> int:
@@ -176,16 +179,21 @@ def target_of(records: List[dict], line: dict, config: dict, t_ddp: int, floor: 
 
 
 def search_state(losses: Dict[Tuple[int, float], float], target: float, t_ddp: int,
-                 floor: float) -> Tuple[Optional[int], Optional[dict]]:
+                 floor: float, cap_first: bool = False) -> Tuple[Optional[int], Optional[dict]]:
     """The next branch length the search needs (or None), and its result: when the search is done,
     ``{"updates": T*, "ratio": T*/T_DDP, "bracket": [..]}`` where ``T*`` is interpolated between the two branches
     that bracket the target; ``"updates"`` is None (and ``"bound"`` says which side) if no run brackets it. While
     it goes on (a session can stop inside one), the bound the lengths run so far give, marked ``"searching"``;
-    None before the branch at DDP's length."""
+    None before the branch at DDP's length. ``cap_first``: above the target at DDP's length, ask for the longest
+    length next; a longest length above the target ends the search whichever order ran it."""
     seen = {r: losses.get((length_of(t_ddp, r), floor)) for r in RATIOS}
-    one = seen[1.0]
+    one, cap = seen[1.0], seen[RATIOS[-1]]
     if one is None:
         return length_of(t_ddp, 1.0), None
+    if one > target and cap is not None and cap > target:
+        return None, beyond(">", RATIOS[-1])
+    if one > target and cap is None and cap_first:
+        return length_of(t_ddp, RATIOS[-1]), beyond(">", 1.0, searching=True)
     order = [r for r in RATIOS if r >= 1.0] if one > target else [1.0, RATIOS[0]]
     for a, b in zip(order, order[1:]):
         la, lb = seen[a], seen[b]
@@ -219,7 +227,7 @@ def next_job(args: argparse.Namespace, records: List[dict]) -> Optional[dict]:
             target = target_of(records, line, config, t_ddp, floor)
             if target is None:
                 continue  # DDP's line (earlier in the plan, or not in it) has not run this branch yet
-            t, _ = search_state(losses, target, t_ddp, floor)
+            t, _ = search_state(losses, target, t_ddp, floor, args.cap_first)
             if t is not None:
                 wanted.append((t, floor))
         if not has_trunk:
@@ -717,6 +725,10 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--accum", type=int, default=4)
     p.add_argument("--eval-interval", type=int, default=50)
     p.add_argument("--eval-iters", type=int, default=16)
+    p.add_argument("--cap-first", action="store_true",
+                   help="for methods expected beyond the longest length searched (1.5x DDP's): run that length right "
+                        "after DDP's own, and stop there if it misses DDP's loss too (the records are the same as "
+                        "the full search's, fewer of them)")
     p.add_argument("--report-only", action="store_true")
     p.add_argument("--dry-run", action="store_true", help="print the next job and stop")
     p.add_argument("--no-plots", action="store_true")
