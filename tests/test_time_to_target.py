@@ -137,6 +137,9 @@ def test_cap_first_asks_for_the_longest_length_after_ddps_and_ends_there_if_it_m
     for flag in (False, True):  # the cap missed: done, as the walk through 13, 14 and 16 would end
         assert state({(12, 0.0): 2.1, (18, 0.0): 2.01}, flag) == (None, ttt.beyond(">", 18 / 12))
     assert state({(12, 0.0): 2.1, (18, 0.0): 1.99}, True)[0] == 13  # the cap reached it: the walk goes on
+    for flag in (False, True):  # a length between below the target (losses that do not fall): the walk's bracket
+        t, done = state({(12, 0.0): 2.1, (13, 0.0): 1.95, (18, 0.0): 2.05}, flag)
+        assert (t, done["bracket"]) == (None, [12, 13])
     t, done = state({(12, 0.0): 2.1, (13, 0.0): 2.05, (14, 0.0): 2.02, (16, 0.0): 2.01, (18, 0.0): 1.99}, True)
     assert (t, done["bracket"], done["updates"]) == (None, [16, 18], pytest.approx(17.0))  # 16 + 2 * 0.01 / 0.02
     args = ttt.parse([*TINY])

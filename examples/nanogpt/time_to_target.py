@@ -185,13 +185,15 @@ def search_state(losses: Dict[Tuple[int, float], float], target: float, t_ddp: i
     that bracket the target; ``"updates"`` is None (and ``"bound"`` says which side) if no run brackets it. While
     it goes on (a session can stop inside one), the bound the lengths run so far give, marked ``"searching"``;
     None before the branch at DDP's length. ``cap_first``: above the target at DDP's length, ask for the longest
-    length next; a longest length above the target ends the search whichever order ran it."""
+    length next; a longest length above the target, with no length run between it and DDP's below, ends the
+    search whichever order ran it (another ``T``'s branch can be this one's longest length)."""
     seen = {r: losses.get((length_of(t_ddp, r), floor)) for r in RATIOS}
     one, cap = seen[1.0], seen[RATIOS[-1]]
     if one is None:
         return length_of(t_ddp, 1.0), None
-    if one > target and cap is not None and cap > target:
-        return None, beyond(">", RATIOS[-1])
+    between = [seen[r] for r in RATIOS if 1.0 < r < RATIOS[-1] and seen[r] is not None]
+    if one > target and cap is not None and cap > target and all(x > target for x in between):
+        return None, beyond(">", RATIOS[-1])  # no length run brackets it: the walk's own end, reached sooner
     if one > target and cap is None and cap_first:
         return length_of(t_ddp, RATIOS[-1]), beyond(">", 1.0, searching=True)
     order = [r for r in RATIOS if r >= 1.0] if one > target else [1.0, RATIOS[0]]
@@ -727,8 +729,8 @@ def parse(argv=None) -> argparse.Namespace:
     p.add_argument("--eval-iters", type=int, default=16)
     p.add_argument("--cap-first", action="store_true",
                    help="for methods expected beyond the longest length searched (1.5x DDP's): run that length right "
-                        "after DDP's own, and stop there if it misses DDP's loss too (the records are the same as "
-                        "the full search's, fewer of them)")
+                        "after DDP's own, and stop there if it misses DDP's loss too (three runs fewer than the walk "
+                        "through every length; one more where it reaches the loss, and every trunk runs to its start)")
     p.add_argument("--report-only", action="store_true")
     p.add_argument("--dry-run", action="store_true", help="print the next job and stop")
     p.add_argument("--no-plots", action="store_true")
