@@ -352,6 +352,8 @@ def test_a_trunk_goes_on_from_the_latest_checkpoint_a_recorded_shorter_trunk_kep
     records.write_text(json.dumps({**earlier, "train_loss": earlier["train_loss"][:8]}) + "\n")
     ttt.run_trunk(args, line)  # the record covers 8 updates: ckpt-10 is not its, ckpt-6 is
     assert f"--resume_from={(folder / 'ckpt-6.pt').resolve()}" in launched[-1]
+    record = ttt.run_trunk(args, line, 18)  # longer than the default's 14 (a search beyond the first lengths)
+    assert (record["T"], "--max_iters=18" in launched[-1]) == (18, True)  # the record says the length it ran
 
     records.write_text(json.dumps(other_seed) + "\n")
     record = ttt.run_trunk(args, line)  # no trunk of this line recorded: from scratch, in an emptied folder

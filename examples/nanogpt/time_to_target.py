@@ -279,12 +279,12 @@ def run_trunk(args: argparse.Namespace, line: dict, length: Optional[int] = None
     if earlier is None:
         shutil.rmtree(out, ignore_errors=True)
         evals, train, _, wall = launch(script, flags, overrides, out)
-        return record_of(args, {"kind": "trunk", "line": line}, evals, train, wall)
+        return record_of(args, {"kind": "trunk", "line": line, "T": length}, evals, train, wall)
     at, before = earlier
     print(f"  trunk extended from its update {at} to {length}", flush=True)
     evals, train, _, wall = launch(script, flags, overrides + [
         "--init_from=resume", f"--resume_from={(out / f'ckpt-{at}.pt').resolve()}"], out)
-    record = record_of(args, {"kind": "trunk", "line": line},
+    record = record_of(args, {"kind": "trunk", "line": line, "T": length},  # the length run, not the default's
                        [{"iter": i, "val_loss": v} for i, v in before["val"] if i <= at]
                        + [e for e in evals if e["iter"] > at], train, wall)
     record["train_loss"] = before["train_loss"][:at] + record["train_loss"]
