@@ -189,7 +189,7 @@ cases = [
   "tests/test_time_to_target.py -k cap_first"),
  ("M103 an extended trunk's record names the default length, not the one it ran", "examples/nanogpt/time_to_target.py",
   '    record = record_of(args, {"kind": "trunk", "line": line, "T": length},',
-  '    record = record_of(args, {"kind": "trunk", "line": line},',
+  '    record = record_of(args, {"kind": "trunk", "line": line, "T": trunk_length(args, line)},',
   "tests/test_time_to_target.py -k goes_on_from"),
  ("M65 the DDP loop's Chain keeps the groups it saw at construction (a resumed branch never cools down)",
   "examples/nanogpt/optim.py", '        self.optimizers = optimizers\n\n    @property\n    def param_groups(self) -> List[dict]:\n        """The optimizers\' groups, read at each call: torch\'s ``load_state_dict`` replaces an optimizer\'s group\n        dicts, so a list taken once would miss every ``lr`` a schedule sets after a resume."""\n        return [g for o in self.optimizers for g in o.param_groups]\n',

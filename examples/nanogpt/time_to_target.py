@@ -256,7 +256,7 @@ def record_of(args: argparse.Namespace, job: dict, evals: list, train: list, wal
     line = job["line"]
     return {
         "kind": job["kind"], "method": line["method"], "lr": line["lr"], "warmup": line["warmup"],
-        "seed": line["seed"], "config": config_of(args), "T": job.get("T", trunk_length(args, line)), "floor": job.get("floor"),
+        "seed": line["seed"], "config": config_of(args), "T": job["T"], "floor": job.get("floor"),
         "start": job.get("start", 0), "final_val_loss": evals[-1]["val_loss"],
         "val": [[e["iter"], e["val_loss"]] for e in evals],
         "train_loss": [t["train_loss"] for t in train], "train_s": train[-1]["time"] if train else 0.0,
