@@ -31,7 +31,8 @@ CONFIGS = ["adamw", "adamw-fused", "sync", "dpu", "acco", "acco-fused", "acco-ca
 def build(name: str, width: int, layers: int, device: str, m: int):
     """``adamw[-fused]``: torch's AdamW; ``MODE[-fused|-cap|-nocap][-extrap]``: AccoOptimizer over AdamW (the
     default: on CUDA the fused kernel; ``fused=True``; ``foreach=True``, capturable foreach kernels; ``foreach=True,
-    capturable=False``: the host decides a skipped round, one sync per round; ``estimate_extrapolation=1.2``)."""
+    capturable=False``: the host decides a skipped round, one sync per round; ``-extrap``: the estimate extrapolated
+    by 1.2, without it by 1.0, both named: "auto", the default, is 1.2 for AdamW since the records of docs/gpu.md)."""
     model = make_model(width, layers, device)
     cuda = device.startswith("cuda")
     if name.startswith("adamw"):
@@ -42,8 +43,7 @@ def build(name: str, width: int, layers: int, device: str, m: int):
         kw["foreach"] = True  # capturable added by the library
     if "nocap" in rest and cuda:
         kw.update(foreach=True, capturable=False)
-    if "extrap" in rest:
-        kw["estimate_extrapolation"] = 1.2
+    kw["estimate_extrapolation"] = 1.2 if "extrap" in rest else 1.0
     return model, AccoOptimizer(model.parameters(), mode=mode, microbatches_per_update=m, lr=1e-4, **kw)
 
 

@@ -41,9 +41,10 @@ def _forms(rank, world, forms):
 
 def _worker(rank, world, form):
     model = make_model(seed=5)  # another initialisation: everything must come from the checkpoint
-    # the estimate the checkpoints were written with (commit 13d8226, before estimate_dtype="auto")
+    # the estimate the checkpoints were written with (commit 13d8226, before estimate_dtype="auto" and
+    # estimate_extrapolation="auto")
     opt = acco.AccoOptimizer(groups(model), torch.optim.AdamW, microbatches_per_update=2, lr=1e-2, betas=(0.9, 0.95),
-                             estimate_dtype=None)
+                             estimate_dtype=None, estimate_extrapolation=1.0)
     if form == "dcp":
         acco.checkpoint.load(os.path.join(HERE, "dcp"), opt, model=model)
     elif form == "rank":

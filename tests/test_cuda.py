@@ -101,16 +101,17 @@ def test_cuda_round_stats_from_events():
         assert r["rank_microbatches"] == [r["local_microbatches"]]
 
 
-ONE_STEP_CONFIGS = [("acco", {}), ("dpu", {}), ("sync", {}), ("acco", {"estimate_extrapolation": 1.2}),
-                    ("acco", {"foreach": True}), ("acco", {"estimate_extrapolation": 1.2, "foreach": True}),
+ONE_STEP_CONFIGS = [("acco", {}), ("dpu", {}), ("sync", {}), ("acco", {"estimate_extrapolation": 1.0}),
+                    ("acco", {"foreach": True}), ("acco", {"estimate_extrapolation": 1.0, "foreach": True}),
                     ("dpu", {"delay_correction": 1.0})]
 
 
 @pytest.mark.parametrize("mode,options", ONE_STEP_CONFIGS,
                          ids=[mode + "".join(f"-{k}={v}" for k, v in o.items()) for mode, o in ONE_STEP_CONFIGS])
 def test_cuda_one_step_per_update_matches_oracle(mode, options):
-    """The default loop (M backward passes, one step()) on the side stream, against the oracle; with the
-    extrapolated estimate (AdamW's step taken with c * lr, its step count on the device), fused (the default)
+    """The default loop (M backward passes, one step()) on the side stream, against the oracle; with AdamW's
+    extrapolated estimate (the default, "auto": its step taken with c * lr, its step count on the device) and the
+    paper's (estimate_extrapolation=1.0), fused (the default)
     and capturable foreach (foreach=True); mode dpu's error feedback with fused AdamW (undone from the snapshot, not by
     the kernel's own skip)."""
     from oracle import update_run
@@ -135,7 +136,7 @@ def test_cuda_one_step_per_update_matches_oracle(mode, options):
     opt.finish()
     ref, _, ref_final = update_run(theta0, lambda ps: torch.optim.AdamW(ps, **KW), mode,
                                    lambda r, i, w: [g / m for g in grad_fn(r, i, w)], 1, updates, m,
-                                   estimate_extrapolation=options.get("estimate_extrapolation", 1.0),
+                                   estimate_extrapolation=opt.estimate_extrapolation,
                                    delay_correction=options.get("delay_correction", 0.0))
     assert max(rel_err(a, flat_list(b)) for a, b in zip(traj, ref)) < 1e-5
     assert rel_err(flat(model).cpu(), flat_list(ref_final)) < 1e-5
@@ -222,7 +223,7 @@ def test_cuda_whole_tensor_optimizers_match_the_oracle(setup, mode, options):
     ref_steps, _, ref_final = update_run(theta0, make_opt, mode, _grad_fn(names, 1.0 / m, "cuda"), 1, updates, m,
                                          estimate_dtype=options["estimate_dtype"],
                                          max_grad_norm=options.get("max_grad_norm"),
-                                         estimate_extrapolation=options.get("estimate_extrapolation", 1.0))
+                                         estimate_extrapolation=opt.estimate_extrapolation)
     assert max(_rel(a, _flat(b)) for a, b in zip(traj, ref_steps)) < 1e-5
     assert _rel(_flat(net.parameters()), _flat(ref_final)) < 1e-5
     assert (_flat(net.parameters()) - _flat(theta0)).abs().max().item() > 1e-3  # it trained

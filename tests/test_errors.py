@@ -73,8 +73,8 @@ CASES = [
     ("synchronous_updates negative", lambda: (make_model().parameters(),), {"synchronous_updates": -1}, ValueError, "synchronous_updates must be"),
     ("synchronous_updates while accumulating", lambda: (make_model().parameters(),), {"accumulate_while_communicating": True, "synchronous_updates": 5}, ValueError, "one step\\(\\) per update"),
     ("estimate_microbatches zero", lambda: (make_model().parameters(),), {"microbatches_per_update": 4, "estimate_microbatches": 0}, ValueError, "estimate_microbatches must be None or an int >= 1, got 0"),
-    ("estimate_extrapolation out of range", lambda: (make_model().parameters(),), {"estimate_extrapolation": 2.5}, ValueError, "estimate_extrapolation must be a number in \\(0, 2\\], got 2.5: 1.0 is the paper's estimate"),
-    ("estimate_extrapolation not a number", lambda: (make_model().parameters(),), {"estimate_extrapolation": "1.2"}, ValueError, "estimate_extrapolation must be a number in \\(0, 2\\], got '1.2'"),
+    ("estimate_extrapolation out of range", lambda: (make_model().parameters(),), {"estimate_extrapolation": 2.5}, ValueError, "estimate_extrapolation must be 'auto' or a number in \\(0, 2\\], got 2.5: 1.0 is the paper's estimate, 1.2 what 'auto' takes for Adam and AdamW"),
+    ("estimate_extrapolation not a number", lambda: (make_model().parameters(),), {"estimate_extrapolation": "1.2"}, ValueError, "estimate_extrapolation must be 'auto' or a number in \\(0, 2\\], got '1.2'"),
     ("estimate_extrapolation in mode dpu", lambda: (make_model().parameters(),), {"mode": "dpu", "estimate_extrapolation": 1.2}, ValueError, "estimate_extrapolation=1.2 applies to mode='acco' only"),
     ("delay_correction in mode acco", lambda: (make_model().parameters(),), {"delay_correction": 1.0}, ValueError, "delay_correction=1.0 applies to mode='dpu' only.*mode='acco'.*estimate_extrapolation"),
     ("delay_correction out of range", lambda: (make_model().parameters(),), {"mode": "dpu", "delay_correction": -1}, ValueError, "delay_correction must be a number in \\[0, 2\\], got -1"),
@@ -163,7 +163,7 @@ RANK_MISMATCHES = [
     ("microbatches_per_update", {"microbatches_per_update": 4}, "microbatches_per_update"),
     ("timeout", {"timeout": datetime.timedelta(seconds=30)}, "timeout"),  # would build a group on one rank only
     ("estimate_microbatches", {"estimate_microbatches": 3}, "estimate_microbatches"),  # hand-offs out of step
-    ("estimate_extrapolation", {"estimate_extrapolation": 1.2}, "estimate_extrapolation"),  # estimates differ
+    ("estimate_extrapolation", {"estimate_extrapolation": 1.0}, "estimate_extrapolation"),  # against "auto": 1.2
     ("delay_correction", {"delay_correction": 1.0}, "delay_correction"),  # updates differ
 ]
 BOTH_RANKS = {"estimate_microbatches": dict(mode="acco", microbatches_per_update=4),

@@ -63,14 +63,15 @@ def runs(tmp_path_factory):
 
 
 def test_acco_strategy_matches_lightnings_ddp(runs):
-    """Check the held-out loss is within 0.5% of strategy='ddp' after the same updates, the scheduler stepped
-    once per update (4 micro-batches) in both, and the Trainer's gradient_clip_val is put back after fit."""
+    """Check the held-out loss is at most 0.5% above strategy='ddp' and at most 1% below it after the same
+    updates (AdamW's extrapolated estimate, the default, may end below DDP), the scheduler stepped once per update
+    (4 micro-batches) in both, and the Trainer's gradient_clip_val is put back after fit."""
     ddp, acco = runs["ddp"], runs["acco"]
     assert ddp["steps"] == acco["steps"] == 32  # 4 epochs of 256 samples per rank, 8 per batch, 4 per update
     gap = (acco["val_loss"] - ddp["val_loss"]) / ddp["val_loss"]
     print(f"held-out loss: ddp {ddp['val_loss']:.5f}, acco {acco['val_loss']:.5f}, gap {gap:+.3%}")
     assert ddp["val_loss"] < 0.2, "the model must actually train (0.67 before)"
-    assert abs(gap) < 0.005, (ddp["val_loss"], acco["val_loss"])
+    assert -0.01 < gap < 0.005, (ddp["val_loss"], acco["val_loss"])
     lrs = acco["lrs"]  # after every batch: the rate moves at the batch that ends an update, every 4th
     assert lrs == ddp["lrs"] and [i for i in range(1, len(lrs)) if lrs[i] != lrs[i - 1]] == list(range(3, len(lrs), 4))
     assert acco["clip_after"] == 1.0

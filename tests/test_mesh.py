@@ -133,7 +133,8 @@ def _mesh_worker(rank: int, world: int, dp: int, tp: int, inside: str = "tp", sh
         opt.finish()
         final = [_full(p).clone() for p in model.parameters()]
         ref_steps, _, ref_final = update_run(theta0, lambda ps: torch.optim.AdamW(ps, **KW), mode, grad_fn, dp,
-                                             UPDATES, M, estimate_dtype=opt.estimate_dtype, max_grad_norm=clip)
+                                             UPDATES, M, estimate_dtype=opt.estimate_dtype, max_grad_norm=clip,
+                                             estimate_extrapolation=opt.estimate_extrapolation)
         err = max(_rel(a, b) for step, ref in zip(traj, ref_steps) for a, b in zip(step, ref))
         out[name] = {"step_err": err, "final_err": max(_rel(a, b) for a, b in zip(final, ref_final)),
                      "moved": max(float((a - b).abs().max()) for a, b in zip(final, theta0)),

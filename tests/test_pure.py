@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from acco._validation import resolve_estimate_dtype
+from acco._validation import resolve_estimate_dtype, resolve_estimate_extrapolation
 from acco.placement import Layout
 from acco.rounds import clip_coefficient
 
@@ -109,6 +109,29 @@ F32, BF16, F64 = torch.float32, torch.bfloat16, torch.float64
 def test_estimate_dtype_auto_is_bf16_only_for_an_fp32_model_with_an_estimate_round_to_send(mode, compute, reduce, world,
                                                                                             expected):
     assert resolve_estimate_dtype("auto", mode, compute, reduce, world) == expected
+
+
+ADAMW, ADAM, SGD = torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD
+
+
+@pytest.mark.parametrize("mode,accumulating,classes,expected", [
+    ("acco", False, [ADAMW], 1.2),  # measured: fewer updates than 1.0 to DDP's loss (docs/convergence.md)
+    ("acco", False, [ADAM, ADAMW], 1.2),  # Adam takes the same step on the same moments
+    ("acco", False, [SGD], 1.0),  # not measured
+    ("acco", False, [torch.optim.Muon, ADAMW], 1.0),  # the Muon + AdamW split: Muon's estimate not measured
+    ("acco", False, [torch.optim.Adafactor], 1.0),
+    ("acco", True, [ADAMW], 1.0),  # accumulate_while_communicating: an estimate of whatever arrived, not measured
+    ("dpu", False, [ADAMW], 1.0),  # no estimate round
+    ("sync", False, [ADAMW], 1.0),
+])
+def test_estimate_extrapolation_auto_is_1_2_only_for_adam_with_fixed_handoffs(mode, accumulating, classes, expected):
+    assert resolve_estimate_extrapolation("auto", mode, accumulating, classes) == expected
+
+
+@pytest.mark.parametrize("given", [1.0, 0.8, 1.5])
+def test_an_explicit_estimate_extrapolation_is_kept(given):
+    assert resolve_estimate_extrapolation(given, "acco", False, [ADAMW]) == given
+    assert resolve_estimate_extrapolation(given, "acco", True, [SGD]) == given
 
 
 @pytest.mark.parametrize("given", [None, torch.bfloat16])

@@ -200,6 +200,30 @@ def test_a_finished_optimizer_is_freed_when_dropped_without_the_garbage_collecto
             gc.enable()
 
 
+def test_estimate_extrapolation_auto_resolves_against_the_wrapped_optimizers():
+    """``estimate_extrapolation="auto"`` (the default) is 1.2 for AdamW in mode acco with one step() per update,
+    1.0 for a Muon + AdamW split, SGD, mode dpu and accumulate_while_communicating; a number given is kept."""
+    def resolved(opt):
+        c = opt.estimate_extrapolation
+        assert c == opt.options.estimate_extrapolation
+        opt.finish()
+        return c
+
+    model = make_model()
+    hidden = [p for p in model.parameters() if p.ndim == 2]
+    others = [p for p in model.parameters() if p.ndim != 2]
+    assert resolved(AccoOptimizer(model.parameters(), microbatches_per_update=2, lr=1e-2)) == 1.2
+    assert resolved(AccoOptimizer(model.parameters(), microbatches_per_update=2, estimate_extrapolation=1.0,
+                                  lr=1e-2)) == 1.0
+    assert resolved(AccoOptimizer(model.parameters(), torch.optim.SGD, microbatches_per_update=2, lr=1e-2)) == 1.0
+    assert resolved(AccoOptimizer.from_optimizer([torch.optim.Muon(hidden, lr=0.02), torch.optim.AdamW(others)],
+                                                 microbatches_per_update=2)) == 1.0
+    assert resolved(AccoOptimizer.from_optimizer(torch.optim.AdamW(model.parameters()), mode="dpu",
+                                                 microbatches_per_update=2)) == 1.0
+    assert resolved(AccoOptimizer(model.parameters(), accumulate_while_communicating=True, max_microbatches=1,
+                                  lr=1e-2)) == 1.0
+
+
 def test_the_configuration_is_resolved_once_and_read_only():
     """Every option is resolved at construction into one frozen ``opt.options`` that the optimizer's attributes
     read: the dtypes against the model (``"auto"`` is None on one process), and nothing can change it later."""

@@ -421,6 +421,19 @@ def test_the_screened_estimates_change_the_estimate_as_documented(monkeypatch):
     torch.testing.assert_close(memory, theta + 1.2 * (torch_step(0.5 * g + 0.5 * m) - theta))
 
 
+def test_every_acco_method_of_the_studies_names_its_estimate_extrapolation():
+    """The studies' records in mode acco were made before ``estimate_extrapolation="auto"`` (1.2 for AdamW) became
+    the default: a method that left it to the default would compute something else than its records when a study
+    resumes. Every method of both tools that runs an estimate round names it."""
+    study = load_example(os.path.join(HERE, "..", "examples", "nanogpt", "study.py"), "nanogpt_study")
+    for tool in (_tool(), study):
+        for name, (script, settings, flags) in tool.METHODS.items():
+            if script == "train_acco.py" and not any(s.startswith("--mode=") for s in settings):
+                named = [f for f in flags if f.startswith("--acco-option=estimate_extrapolation=")]
+                assert len(named) == 1, (tool.__name__, name, flags)
+    assert _tool().METHODS["acco-bf16"][2][-1] == "--acco-option=estimate_extrapolation=1.0"
+
+
 def test_other_lrs_run_every_method_and_each_is_judged_against_ddp_at_its_lr(tmp_path):
     """--acco-lrs: DDP and every ACCO method get lines at each LR after the main LR's, and the report gives a row
     per LR whose ratio is against DDP's loss at that LR (DDP's best LR moved with the warm-up, docs/studies/time-to-target.md)."""

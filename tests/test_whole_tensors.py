@@ -142,7 +142,7 @@ def _worker(rank: int, world: int) -> dict:
         ref_steps, ref_committed, ref_final = update_run(
             theta0, make_opt, mode, _grad_fn(names, 1.0 / m), world, UPDATES, m,
             synchronous_updates=options.get("synchronous_updates", 0), estimate_dtype=options.get("estimate_dtype"),
-            max_grad_norm=options.get("max_grad_norm"))
+            max_grad_norm=options.get("max_grad_norm"), estimate_extrapolation=opt.estimate_extrapolation)
         big = [id(p) for g in opt.param_groups for p in g["params"]].index(id(net.big))  # its index in the layout
         out[name] = {
             "step_err": max(_rel(a, _flat(b)) for a, b in zip(traj, ref_steps)),

@@ -5,7 +5,8 @@ width, side by side, the power laws through them, and what those laws predict fo
     python examples/nanogpt/at_my_scale.py --width 768 --tokens 524288 --print
 
 Each set-up (a model and a batch) is one ``config`` of the time-to-target records (``time_to_target.py``, AdamW,
-warm-up 100, WSD, ``T`` = 500, cooled to 0). Its point is the default's (``acco-bf16``) updates ratio at DDP's
+warm-up 100, WSD, ``T`` = 500, cooled to 0). Its point is the bf16 estimate's (``acco-bf16``, the paper's step: the
+default until 2026-11-29, the one run at every set-up) updates ratio at DDP's
 best LR for that set-up (the lowest mean of DDP's fully decayed losses over the seeds every LR shares), per seed
 and on the mean, computed from the records as the time-to-target report computes a finished search (a seed whose
 search is still going on is left out here).
@@ -137,7 +138,7 @@ def markdown(pts: List[dict], width: int, tokens: int) -> str:
                     f"({', '.join(f'{x:g}' for x in p['lrs'])}) | {len(p['ratios']) + len(p['bounds'])} | {per} | "
                     f"{mean} |")
     base, preds = predict(pts, width, tokens)
-    out = [BEGIN, "", f"The default's updates ratio at DDP's best LR ({METHOD}, warm-up {WARMUP}, WSD, `T` = {T}, "
+    out = [BEGIN, "", f"The bf16 estimate's updates ratio at DDP's best LR ({METHOD}, warm-up {WARMUP}, WSD, `T` = {T}, "
            "cooled to 0), from the time-to-target records:", ""] + rows + [""]
     for axis, name in (("width", f"width, at {BASE_TOKENS:,} tokens"), ("tokens", f"tokens per update, at "
                                                                                 f"{BASE_WIDTH} wide")):

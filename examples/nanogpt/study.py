@@ -39,15 +39,16 @@ ROOT = HERE.parent.parent
 # method -> (script, its settings, instrument.py's flags). ``--estimate-gap`` logs |theta~ - theta| and
 # |theta_t+1 - theta_t| after every update; ``--acco-option`` passes an AccoOptimizer option (the remedies).
 GAP = "--estimate-gap"
-EXACT = "--acco-option=estimate_dtype=None"  # the paper's estimate, as the records were made (the default is "auto")
+# the paper's estimate, as the records were made (the defaults are "auto": a bf16 estimate, and for AdamW extrapolated)
+EXACT = ["--acco-option=estimate_dtype=None", "--acco-option=estimate_extrapolation=1.0"]
 METHODS: Dict[str, Tuple[str, List[str], List[str]]] = {
     "ddp": ("train_ddp.py", [], []),
-    "acco": ("train_acco.py", [], [GAP, EXACT]),
+    "acco": ("train_acco.py", [], [GAP, *EXACT]),
     "dpu": ("train_acco.py", ["--mode=dpu"], [GAP]),
     # mode dpu with its error feedback at the setting of Zmushko et al. (2026): delay_correction=1.0
     "dpu-ef": ("train_acco.py", ["--mode=dpu"], [GAP, "--acco-option=delay_correction=1.0"]),
     "sync": ("train_acco.py", ["--mode=sync"], []),
-    "acco-sync20": ("train_acco.py", [], [GAP, EXACT, "--acco-option=synchronous_updates=20"]),
+    "acco-sync20": ("train_acco.py", [], [GAP, *EXACT, "--acco-option=synchronous_updates=20"]),
 }
 def markers(name: str):
     """The report's markers in the doc: ``lr-study`` (AdamW) or ``muon-study`` (``--optimizer muon``)."""

@@ -47,22 +47,25 @@ from study import ROOT, launch, load_records, machine, phase_gaps, write_block
 
 # method -> (script, its settings, instrument.py's flags): DDP + AdamW, ACCO as the paper has it (its exact
 # estimate, named: the library's default is "auto"), ACCO with the estimate's gradients in bf16 (the library's
-# default for these fp32 runs; docs/usage.md: estimate_dtype).
+# default for these fp32 runs; docs/usage.md: estimate_dtype). Every ACCO method names its estimate_extrapolation:
+# the records before "auto" (1.2 for AdamW) became the default were made with 1.0, and a resumed study must go on
+# computing what its records hold.
+PAPER = "--acco-option=estimate_extrapolation=1.0"
+BF16 = "--acco-option=estimate_dtype=bfloat16"
 METHODS: Dict[str, Tuple[str, List[str], List[str]]] = {
     "ddp": ("train_ddp.py", [], []),
-    "acco": ("train_acco.py", [], ["--acco-option=estimate_dtype=None"]),
-    "acco-bf16": ("train_acco.py", [], ["--acco-option=estimate_dtype=bfloat16"]),
+    "acco": ("train_acco.py", [], ["--acco-option=estimate_dtype=None", PAPER]),
+    "acco-bf16": ("train_acco.py", [], [BF16, PAPER]),
     # ... and its estimate handed off after 3 of the 4 micro-batches (estimate_microbatches=3): the commit round
     # hides behind 3 micro-batches, the bf16 estimate (half the commit's bytes) behind 1
-    "acco-bf16-h3": ("train_acco.py", [], ["--acco-option=estimate_dtype=bfloat16",
-                                           "--acco-option=estimate_microbatches=3"]),
+    "acco-bf16-h3": ("train_acco.py", [], [BF16, PAPER, "--acco-option=estimate_microbatches=3"]),
     # a candidate remedy screened at one seed (instrument.py; not a library option): the estimate's gradient
     # blended half and half with the momentum
-    "acco-bf16-blend50": ("train_acco.py", [], ["--acco-option=estimate_dtype=bfloat16", "--estimate-blend=0.5"]),
+    "acco-bf16-blend50": ("train_acco.py", [], [BF16, PAPER, "--estimate-blend=0.5"]),
     # the estimate's step extrapolated by 1.2 (estimate_extrapolation; the records before it became an option
-    # computed it through instrument.py, the same arithmetic: tests/test_time_to_target.py)
-    "acco-bf16-extrap120": ("train_acco.py", [], ["--acco-option=estimate_dtype=bfloat16",
-                                                  "--acco-option=estimate_extrapolation=1.2"]),
+    # computed it through instrument.py, the same arithmetic: tests/test_time_to_target.py): the library's
+    # default for AdamW since (estimate_extrapolation="auto")
+    "acco-bf16-extrap120": ("train_acco.py", [], [BF16, "--acco-option=estimate_extrapolation=1.2"]),
     # plain ZeRO-1 (mode sync: reduce-scatter, step, all-gather, nothing overlapped): what an update of a
     # synchronous prefix costs on the testbed (benchmarks/time_to_target.py speed; docs/benchmarks.md §9d,
     # the record in docs/studies/benchmarks-time-per-update.md)

@@ -7,7 +7,7 @@ import datetime
 import inspect
 import math
 import os
-from typing import Any, Dict, Iterable, List, Optional
+from typing import Any, Dict, Iterable, List, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -229,18 +229,35 @@ def check_estimate_microbatches(mode: str, per_update: Any, elastic: bool, h: An
         check_estimate_within(h, per_update)
 
 
-def check_estimate_extrapolation(mode: str, c: Any) -> float:
+def check_estimate_extrapolation(mode: str, c: Any) -> Union[float, str]:
     """``estimate_extrapolation``: ``theta~ = theta + c * (Opt*(theta, g) - theta)`` (mode acco); ``1.0`` is the
-    paper's estimate. Returns it as a float."""
+    paper's estimate. Returns ``"auto"`` as it is (:func:`resolve_estimate_extrapolation` resolves it once the
+    optimizer classes are known), a number as a float."""
+    if isinstance(c, str) and c == "auto":
+        return c
     if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or not 0 < c <= 2:
         raise ValueError(
-            f"estimate_extrapolation must be a number in (0, 2], got {c!r}: 1.0 is the paper's estimate, 1.2 the "
-            "setting studied in docs/settings.md"
+            f"estimate_extrapolation must be 'auto' or a number in (0, 2], got {c!r}: 1.0 is the paper's estimate, "
+            "1.2 what 'auto' takes for Adam and AdamW (docs/settings.md)"
         )
     if c != 1 and mode != "acco":
         raise ValueError(f"estimate_extrapolation={c} applies to mode='acco' only (its estimate round), got "
                          f"mode={mode!r}: drop it")
     return float(c)
+
+
+AUTO_EXTRAPOLATION = 1.2  # docs/convergence.md, "How a default is chosen": measured with AdamW only
+
+
+def resolve_estimate_extrapolation(c: Union[float, str], mode: str, accumulate_while_communicating: bool,
+                                   classes: Iterable[type]) -> float:
+    """``"auto"`` (the default): ``1.2`` in mode acco with fixed hand-offs when every wrapped optimizer is
+    ``torch.optim.Adam`` or ``AdamW`` (there the extrapolated step is free, folded into ``lr``), ``1.0`` (the
+    paper's estimate) anywhere else, where nothing was measured. A number stays as checked."""
+    if c != "auto":
+        return float(c)
+    adam = all(cls in (torch.optim.Adam, torch.optim.AdamW) for cls in classes)
+    return AUTO_EXTRAPOLATION if mode == "acco" and not accumulate_while_communicating and adam else 1.0
 
 
 def check_delay_correction(mode: str, accumulate_while_communicating: bool, c: Any) -> float:

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -36,7 +36,7 @@ class Options:
     timeout: Optional[datetime.timedelta]
     synchronous_updates: int
     estimate_microbatches: Optional[int]  # None: the first half, M // 2
-    estimate_extrapolation: float  # mode acco: theta~ = theta + c (Opt*(theta, g) - theta)
+    estimate_extrapolation: float  # mode acco: theta~ = theta + c (Opt*(theta, g) - theta); "auto" resolved
     delay_correction: float  # mode dpu: c of the error feedback on each delayed update (0: none)
     compute_dtype: torch.dtype
     accumulation_dtype: torch.dtype
@@ -68,7 +68,8 @@ def check_arguments(*, mode: Any, optimizer_class: Any, placement: Any, assume_e
                     synchronous_updates: Any, estimate_microbatches: Any, estimate_extrapolation: Any,
                     delay_correction: Any) -> dict:
     """Check the arguments that need nothing but themselves, in the order a user reads them; return the
-    normalised ones (``placement``, the two floats) for :func:`resolve`. Raises with what was received and what
+    normalised ones (``placement``; the two numbers as floats, ``estimate_extrapolation`` or ``"auto"``) for
+    :func:`resolve`. Raises with what was received and what
     to do."""
     placement = V.check_placement_option(placement, assume_elementwise)
     V.check_optimizer_class(optimizer_class)
@@ -90,13 +91,16 @@ def check_arguments(*, mode: Any, optimizer_class: Any, placement: Any, assume_e
 
 def resolve(checked: dict, *, param_dtype: torch.dtype, world_size: int, compute_dtype: Optional[torch.dtype],
             accumulation_dtype: Optional[torch.dtype], reduce_dtype: Optional[torch.dtype],
-            estimate_dtype: Any) -> Options:
+            estimate_dtype: Any, classes: Sequence[type]) -> Options:
     """The frozen :class:`Options`: ``checked`` (from :func:`check_arguments`) with the dtypes resolved against the
     parameters' dtype and the group's size (``compute_dtype`` None: the parameters'; the accumulation dtype from
-    the compute dtype; the reduce dtype from the accumulation dtype; ``estimate_dtype="auto"`` from all three)."""
+    the compute dtype; the reduce dtype from the accumulation dtype; ``estimate_dtype="auto"`` from all three),
+    and ``estimate_extrapolation="auto"`` against the groups' optimizer ``classes``."""
     compute = compute_dtype or param_dtype
     accumulation = V.check_accumulation_dtype(accumulation_dtype, compute)
     reduce = V.check_reduce_dtype(reduce_dtype, accumulation, compute)
     estimate = V.resolve_estimate_dtype(estimate_dtype, checked["mode"], compute, reduce, world_size)
-    return Options(**checked, compute_dtype=compute, accumulation_dtype=accumulation, reduce_dtype=reduce,
-                   estimate_dtype=estimate)
+    extrapolation = V.resolve_estimate_extrapolation(
+        checked["estimate_extrapolation"], checked["mode"], checked["accumulate_while_communicating"], classes)
+    return Options(**{**checked, "estimate_extrapolation": extrapolation}, compute_dtype=compute,
+                   accumulation_dtype=accumulation, reduce_dtype=reduce, estimate_dtype=estimate)
