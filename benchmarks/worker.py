@@ -296,7 +296,7 @@ def main(argv=None) -> None:
         record["memory"] = runner.opt.memory_report()
         record["options"] = {k: str(getattr(runner.opt, k, None)) for k in (  # as the optimizer holds them
             "mode", "accumulate_while_communicating", "microbatches_per_update", "compute_dtype", "accumulation_dtype",
-            "reduce_dtype", "estimate_dtype")}
+            "reduce_dtype", "estimate_dtype", "estimate_extrapolation")}
     maxrss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024], dtype=torch.float64)
     rss = [torch.zeros_like(maxrss) for _ in range(world)]
     dist.all_gather(rss, maxrss)

@@ -114,24 +114,25 @@ def test_estimate_dtype_auto_is_bf16_only_for_an_fp32_model_with_an_estimate_rou
 ADAMW, ADAM, SGD = torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD
 
 
-@pytest.mark.parametrize("mode,accumulating,classes,expected", [
-    ("acco", False, [ADAMW], 1.2),  # measured: fewer updates than 1.0 to DDP's loss (docs/convergence.md)
-    ("acco", False, [ADAM, ADAMW], 1.2),  # Adam takes the same step on the same moments
-    ("acco", False, [SGD], 1.0),  # not measured
-    ("acco", False, [torch.optim.Muon, ADAMW], 1.0),  # the Muon + AdamW split: Muon's estimate not measured
-    ("acco", False, [torch.optim.Adafactor], 1.0),
-    ("acco", True, [ADAMW], 1.0),  # accumulate_while_communicating: an estimate of whatever arrived, not measured
-    ("dpu", False, [ADAMW], 1.0),  # no estimate round
-    ("sync", False, [ADAMW], 1.0),
+@pytest.mark.parametrize("mode,accumulating,h,classes,expected", [
+    ("acco", False, None, [ADAMW], 1.2),  # measured: fewer updates than 1.0 to DDP's loss (docs/convergence.md)
+    ("acco", False, None, [ADAM, ADAMW], 1.2),  # Adam takes the same step on its moments
+    ("acco", False, None, [SGD], 1.0),  # not measured
+    ("acco", False, None, [torch.optim.Muon, ADAMW], 1.0),  # the Muon + AdamW split: Muon's estimate not measured
+    ("acco", False, None, [torch.optim.Adafactor], 1.0),
+    ("acco", False, 3, [ADAMW], 1.0),  # a later hand-off: not measured with the extrapolation
+    ("acco", True, None, [ADAMW], 1.0),  # accumulate_while_communicating: an estimate of whatever arrived
+    ("dpu", False, None, [ADAMW], 1.0),  # no estimate round
+    ("sync", False, None, [ADAMW], 1.0),
 ])
-def test_estimate_extrapolation_auto_is_1_2_only_for_adam_with_fixed_handoffs(mode, accumulating, classes, expected):
-    assert resolve_estimate_extrapolation("auto", mode, accumulating, classes) == expected
+def test_estimate_extrapolation_auto_is_1_2_only_where_it_was_measured(mode, accumulating, h, classes, expected):
+    assert resolve_estimate_extrapolation("auto", mode, accumulating, h, classes) == expected
 
 
 @pytest.mark.parametrize("given", [1.0, 0.8, 1.5])
 def test_an_explicit_estimate_extrapolation_is_kept(given):
-    assert resolve_estimate_extrapolation(given, "acco", False, [ADAMW]) == given
-    assert resolve_estimate_extrapolation(given, "acco", True, [SGD]) == given
+    assert resolve_estimate_extrapolation(given, "acco", False, None, [ADAMW]) == given
+    assert resolve_estimate_extrapolation(given, "acco", True, 3, [SGD]) == given
 
 
 @pytest.mark.parametrize("given", [None, torch.bfloat16])

@@ -202,7 +202,8 @@ def test_a_finished_optimizer_is_freed_when_dropped_without_the_garbage_collecto
 
 def test_estimate_extrapolation_auto_resolves_against_the_wrapped_optimizers():
     """``estimate_extrapolation="auto"`` (the default) is 1.2 for AdamW in mode acco with one step() per update,
-    1.0 for a Muon + AdamW split, SGD, mode dpu and accumulate_while_communicating; a number given is kept."""
+    1.0 for a Muon + AdamW split, SGD, a later hand-off, mode dpu and accumulate_while_communicating; a number
+    given is kept."""
     def resolved(opt):
         c = opt.estimate_extrapolation
         assert c == opt.options.estimate_extrapolation
@@ -220,6 +221,8 @@ def test_estimate_extrapolation_auto_resolves_against_the_wrapped_optimizers():
                                                  microbatches_per_update=2)) == 1.0
     assert resolved(AccoOptimizer.from_optimizer(torch.optim.AdamW(model.parameters()), mode="dpu",
                                                  microbatches_per_update=2)) == 1.0
+    assert resolved(AccoOptimizer(model.parameters(), microbatches_per_update=4, estimate_microbatches=3,
+                                  lr=1e-2)) == 1.0
     assert resolved(AccoOptimizer(model.parameters(), accumulate_while_communicating=True, max_microbatches=1,
                                   lr=1e-2)) == 1.0
 

@@ -49,6 +49,9 @@ CONFIGS += [
      {"estimate_microbatches": 3, "estimate_dtype": torch.bfloat16}),
     # the estimate's step extrapolated (beyond the paper): computed straight into the round's input
     ("adamw/acco/m2-extrapolate", "adamw", "acco", 2, True, True, {"estimate_extrapolation": 1.2}),
+    # AdamW's rows above take "auto" (the default: 1.2 where it applies); these the paper's step
+    ("adamw/acco/m2-paper", "adamw", "acco", 2, True, False, {"estimate_extrapolation": 1.0}),
+    ("adamw/acco/m4-learned-paper", "adamw", "acco", 4, False, False, {"estimate_extrapolation": 1.0}),
     ("sgd_momentum/acco/m4-extrapolate-bf16", "sgd_momentum", "acco", 4, True, False,
      {"estimate_extrapolation": 1.5, "estimate_dtype": torch.bfloat16}),
     # mode dpu's error feedback (beyond the paper, Zmushko et al. 2026): with a schedule, and after a warm-up
@@ -56,7 +59,8 @@ CONFIGS += [
     ("sgd_momentum/dpu/m2-sync2-delay-correction", "sgd_momentum", "dpu", 2, True, False,
      {"synchronous_updates": 2, "delay_correction": 0.5}),
 ]
-# The other configurations name the paper's exact estimate (estimate_dtype=None), which the oracle computes.
+# The other configurations name the paper's exact estimate (estimate_dtype=None), which the oracle computes; its
+# step is resolved as the optimizer resolved it (opt.estimate_extrapolation: "auto" is 1.2 for AdamW in mode acco).
 BF16_ESTIMATE_WORLDS = (2,)
 
 

@@ -701,8 +701,8 @@ def parse(argv=None) -> argparse.Namespace:
                    help="benchmarks/time_to_target.py speed records of these methods on the testbed (time per "
                         "update), one benchmark run per file; a method in several files gets a composed row for each")
     p.add_argument("--methods", type=lambda s: s.split(","), default=["ddp", "acco-bf16", "acco"],
-                   help="DDP first, then the ACCO methods; the first of them (by default the library's default, the "
-                        "bf16 estimate) also runs at the other warm-ups")
+                   help="DDP first, then the ACCO methods; the first of them (by default the bf16 estimate with the "
+                        "paper's step, the library's default until 2026-11-29) also runs at the other warm-ups")
     p.add_argument("--lr", type=float, default=4e-3,
                    help="DDP's best LR under this schedule (4e-3 at warm-up 100, 3 seeds): every method runs here")
     p.add_argument("--ddp-lrs", type=lambda s: [float(x) for x in s.split(",") if x], default=[],

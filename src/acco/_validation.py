@@ -250,14 +250,16 @@ AUTO_EXTRAPOLATION = 1.2  # docs/convergence.md, "How a default is chosen": meas
 
 
 def resolve_estimate_extrapolation(c: Union[float, str], mode: str, accumulate_while_communicating: bool,
-                                   classes: Iterable[type]) -> float:
-    """``"auto"`` (the default): ``1.2`` in mode acco with fixed hand-offs when every wrapped optimizer is
-    ``torch.optim.Adam`` or ``AdamW`` (there the extrapolated step is free, folded into ``lr``), ``1.0`` (the
-    paper's estimate) anywhere else, where nothing was measured. A number stays as checked."""
+                                   estimate_microbatches: Optional[int], classes: Iterable[type]) -> float:
+    """``"auto"`` (the default): ``1.2`` in mode acco with one ``step()`` per update and the paper's hand-off (the
+    first half, ``estimate_microbatches`` None) when every wrapped optimizer is ``torch.optim.Adam`` or ``AdamW``
+    (measured with AdamW; Adam takes the same step on its moments); ``1.0``, the paper's estimate, anywhere else,
+    where nothing was measured. A number stays as checked."""
     if c != "auto":
         return float(c)
     adam = all(cls in (torch.optim.Adam, torch.optim.AdamW) for cls in classes)
-    return AUTO_EXTRAPOLATION if mode == "acco" and not accumulate_while_communicating and adam else 1.0
+    fixed = not accumulate_while_communicating and estimate_microbatches is None
+    return AUTO_EXTRAPOLATION if mode == "acco" and fixed and adam else 1.0
 
 
 def check_delay_correction(mode: str, accumulate_while_communicating: bool, c: Any) -> float:

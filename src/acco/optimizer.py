@@ -171,11 +171,11 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
             - theta)`` (``1.0``: the paper's). The commit is unchanged. Free
             for Adam, AdamW and SGD, one pass over the slice for other
             optimizers. In ``(0, 2]``. ``"auto"`` (default): ``1.2`` where
-            every wrapped optimizer is Adam or AdamW and the hand-offs are
-            fixed (it needed fewer updates than ``1.0`` to reach DDP's loss
-            with AdamW, by the rule of ``docs/convergence.md``), ``1.0``
-            elsewhere (not measured). The resolved value:
-            ``opt.estimate_extrapolation``.
+            every wrapped optimizer is Adam or AdamW, with one ``step()`` per
+            update and ``estimate_microbatches`` unset (it needed fewer
+            updates than ``1.0`` to reach DDP's loss with AdamW, by the rule
+            of ``docs/convergence.md``), ``1.0`` elsewhere (not measured).
+            The resolved value: ``opt.estimate_extrapolation``.
         delay_correction: mode dpu, beyond the paper: error feedback against
             the one-step-stale gradient (Zmushko et al., ICML 2026): each
             delayed update's step ``u_k`` is followed by

@@ -101,6 +101,7 @@ def resolve(checked: dict, *, param_dtype: torch.dtype, world_size: int, compute
     reduce = V.check_reduce_dtype(reduce_dtype, accumulation, compute)
     estimate = V.resolve_estimate_dtype(estimate_dtype, checked["mode"], compute, reduce, world_size)
     extrapolation = V.resolve_estimate_extrapolation(
-        checked["estimate_extrapolation"], checked["mode"], checked["accumulate_while_communicating"], classes)
+        checked["estimate_extrapolation"], checked["mode"], checked["accumulate_while_communicating"],
+        checked["estimate_microbatches"], classes)
     return Options(**{**checked, "estimate_extrapolation": extrapolation}, compute_dtype=compute,
                    accumulation_dtype=accumulation, reduce_dtype=reduce, estimate_dtype=estimate)
