@@ -64,7 +64,7 @@ METHODS: Dict[str, Tuple[str, List[str], List[str]]] = {
     "acco-bf16-blend50": ("train_acco.py", [], [BF16, PAPER, "--estimate-blend=0.5"]),
     # the estimate's step extrapolated by 1.2 (estimate_extrapolation; the records before it became an option
     # computed it through instrument.py, the same arithmetic: tests/test_time_to_target.py): the library's
-    # default for AdamW since (estimate_extrapolation="auto")
+    # default for Adam and AdamW since 2026-11-29 (estimate_extrapolation="auto")
     "acco-bf16-extrap120": ("train_acco.py", [], [BF16, "--acco-option=estimate_extrapolation=1.2"]),
     # plain ZeRO-1 (mode sync: reduce-scatter, step, all-gather, nothing overlapped): what an update of a
     # synchronous prefix costs on the testbed (benchmarks/time_to_target.py speed; docs/benchmarks.md §9d,
