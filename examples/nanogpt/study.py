@@ -39,8 +39,10 @@ ROOT = HERE.parent.parent
 # method -> (script, its settings, instrument.py's flags). ``--estimate-gap`` logs |theta~ - theta| and
 # |theta_t+1 - theta_t| after every update; ``--acco-option`` passes an AccoOptimizer option (the remedies).
 GAP = "--estimate-gap"
-# the paper's estimate, as the records were made (the defaults are "auto": a bf16 estimate, and for AdamW extrapolated)
-EXACT = ["--acco-option=estimate_dtype=None", "--acco-option=estimate_extrapolation=1.0"]
+# the paper's step and its exact estimate, as the records were made (the defaults are "auto": a bf16 estimate, and for
+# AdamW extrapolated)
+PAPER = "--acco-option=estimate_extrapolation=1.0"
+EXACT = ["--acco-option=estimate_dtype=None", PAPER]
 METHODS: Dict[str, Tuple[str, List[str], List[str]]] = {
     "ddp": ("train_ddp.py", [], []),
     "acco": ("train_acco.py", [], [GAP, *EXACT]),

@@ -43,18 +43,17 @@ import tempfile
 from pathlib import Path
 from typing import Callable, Dict, List, Optional, Tuple
 
-from study import ROOT, launch, load_records, machine, phase_gaps, write_block
+from study import EXACT, PAPER, ROOT, launch, load_records, machine, phase_gaps, write_block
 
 # method -> (script, its settings, instrument.py's flags): DDP + AdamW, ACCO as the paper has it (its exact
 # estimate, named: the library's default is "auto"), ACCO with the estimate's gradients in bf16 (the library's
 # default for these fp32 runs; docs/usage.md: estimate_dtype). Every ACCO method names its estimate_extrapolation:
 # the records before "auto" (1.2 for AdamW) became the default were made with 1.0, and a resumed study must go on
 # computing what its records hold.
-PAPER = "--acco-option=estimate_extrapolation=1.0"
 BF16 = "--acco-option=estimate_dtype=bfloat16"
 METHODS: Dict[str, Tuple[str, List[str], List[str]]] = {
     "ddp": ("train_ddp.py", [], []),
-    "acco": ("train_acco.py", [], ["--acco-option=estimate_dtype=None", PAPER]),
+    "acco": ("train_acco.py", [], EXACT),
     "acco-bf16": ("train_acco.py", [], [BF16, PAPER]),
     # ... and its estimate handed off after 3 of the 4 micro-batches (estimate_microbatches=3): the commit round
     # hides behind 3 micro-batches, the bf16 estimate (half the commit's bytes) behind 1
