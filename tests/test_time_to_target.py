@@ -491,6 +491,20 @@ def test_a_niced_studys_ranks_give_their_niceness_to_their_own_session(monkeypat
     assert not (tmp_path / "absent").exists()
 
 
+def test_instruments_acco_options_read_words_as_well_as_numbers_dtypes_and_none(monkeypatch):
+    """--acco-option=KEY=VALUE reads each kind of value an option takes; a word such as ``auto`` (the default of
+    estimate_extrapolation and estimate_dtype) is passed on as it is, for AccoOptimizer to check."""
+    import torch
+
+    monkeypatch.syspath_prepend(os.path.join(HERE, "..", "examples", "nanogpt"))
+    import instrument
+
+    values = {"None": None, "bfloat16": torch.bfloat16, "20": 20, "1.2": 1.2, "1e-3": 1e-3, "auto": "auto"}
+    for text, value in values.items():
+        read = instrument.option_value(text)
+        assert read == value and type(read) is type(value), (text, read)
+
+
 def test_muon_runs_the_split_with_muons_lr_on_the_line_and_adamws_as_the_schedules_peak(tmp_path, monkeypatch):
     """With --optimizer muon a line's LR is Muon's: the loops get --optimizer_name=muon --muon_lr=<line LR>, the
     schedule's peak (learning_rate, and min_lr in a trunk and a branch) is --adamw-lr, the records say so in their

@@ -4,7 +4,7 @@
         examples/nanogpt/train_acco.py --out_dir=... [the script's --key=value settings]
 
 * ``--acco-option=KEY=VALUE``: an extra ``AccoOptimizer`` keyword argument, an
-  int, a float, a torch dtype or ``None``, e.g. ``synchronous_updates=20`` (the study's
+  int, a float, a torch dtype, ``None`` or a word such as ``auto``, e.g. ``synchronous_updates=20`` (the study's
   remedy), ``compute_dtype=bfloat16``, ``reduce_dtype=float32``,
   ``estimate_dtype=None`` (the paper's exact estimate; the default is ``"auto"``)
   or ``estimate_extrapolation=1.2``;
@@ -110,6 +110,21 @@ def nice_in_own_session(autogroup: str = "/proc/self/autogroup") -> None:
             pass
 
 
+def option_value(text: str):
+    """``--acco-option``'s value: ``None``, a torch dtype's name, an int, a float, else the word itself
+    (``estimate_extrapolation=auto``, ``estimate_dtype=auto``), which ``AccoOptimizer`` checks."""
+    if text == "None":
+        return None
+    if isinstance(getattr(torch, text, None), torch.dtype):
+        return getattr(torch, text)
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
 def main(argv: list) -> None:
     nice_in_own_session()
     options, estimate_gap = {}, False
@@ -122,9 +137,7 @@ def main(argv: list) -> None:
             blend = float(flag.split("=", 1)[1])
         elif flag.startswith("--acco-option="):
             key, value = flag.split("=", 1)[1].split("=", 1)
-            options[key] = (None if value == "None" else getattr(torch, value)
-                            if isinstance(getattr(torch, value, None), torch.dtype)
-                            else float(value) if "." in value else int(value))
+            options[key] = option_value(value)
         else:
             raise SystemExit(f"instrument.py: unknown flag {flag!r} (see the docstring)")
     if not argv:
