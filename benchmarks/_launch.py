@@ -33,9 +33,13 @@ def torchrun_commands(worker_args: Sequence[str], ranks: int, loopback: bool, sc
 
 def check_loop(methods: Sequence[str], loop: str) -> None:
     """Refuse, before any run, a method that ``worker.py`` refuses in ``loop``."""
-    if loop != "awc" and "acco-acc" in [m.partition(":")[0] for m in methods]:
+    names = [m.partition(":")[0] for m in methods]
+    if loop != "awc" and "acco-acc" in names:
         sys.exit("acco-acc accumulates while a round is in flight, which only the awc loop "
                  "(accumulate_while_communicating=True) does: drop it from --methods or use --loop awc")
+    if loop != "update" and "dpu-ef" in names:
+        sys.exit("dpu-ef (delay_correction=1.0) needs one step() per update, which only the update loop does: "
+                 "drop it from --methods or use --loop update")
 
 
 def run_processes(cmds: Sequence[Sequence[str]], env: Optional[Dict[str, str]] = None,

@@ -12,6 +12,8 @@ tokens, and one *update* = two micro-batches per rank:
                 update, each overlapped with one micro-batch.
 * ``acco-acc``  the same, accumulating while a round is in flight (no bound).
 * ``dpu``       AccoOptimizer(mode="dpu", min=max_microbatches=1).
+* ``dpu-ef``    the same with ``delay_correction=1.0`` (error feedback on the delayed update; the
+                update loop only, as the library has it).
 * ``sync``      AccoOptimizer(mode="sync", min_microbatches=2): ZeRO-1, one round
                 per update after both micro-batches.
 * ``ddp-zero``  torch DDP + ZeroRedundancyOptimizer: the first micro-batch under
@@ -74,7 +76,7 @@ import acco  # noqa: E402
 from acco import AccoOptimizer  # noqa: E402
 from acco.stats import nbytes, summarize  # noqa: E402
 
-LIBRARY = ["acco", "acco-acc", "dpu", "sync"]
+LIBRARY = ["acco", "acco-acc", "dpu", "dpu-ef", "sync"]
 METHODS = LIBRARY + ["ddp", "ddp-zero", "compute"]
 
 
@@ -107,6 +109,9 @@ def parse_args(argv=None):
     if args.method == "acco-acc" and args.loop != "awc":
         p.error("--method acco-acc accumulates while a round is in flight, which only the awc loop "
                 "(accumulate_while_communicating=True) does: run it with --loop awc")
+    if args.method == "dpu-ef" and args.loop != "update":
+        p.error("--method dpu-ef (delay_correction=1.0) needs one step() per update, which only the update loop "
+                "does: run it with --loop update")
     return args
 
 
@@ -154,7 +159,9 @@ class Runner:
         m = args.method
         self.autocast = args.dtype == "amp" and m not in LIBRARY
         if m in LIBRARY:
-            mode = "acco" if m.startswith("acco") else m
+            mode = m.split("-")[0]  # acco-acc: mode acco; dpu-ef: mode dpu
+            if m == "dpu-ef":
+                kw["delay_correction"] = 1.0
             if args.dtype != "fp32":
                 kw["compute_dtype"] = torch.bfloat16
             kw["estimate_dtype"] = torch.bfloat16 if args.estimate_dtype == "bf16" else None
@@ -296,7 +303,7 @@ def main(argv=None) -> None:
         record["memory"] = runner.opt.memory_report()
         record["options"] = {k: str(getattr(runner.opt, k, None)) for k in (  # as the optimizer holds them
             "mode", "accumulate_while_communicating", "microbatches_per_update", "compute_dtype", "accumulation_dtype",
-            "reduce_dtype", "estimate_dtype", "estimate_extrapolation")}
+            "reduce_dtype", "estimate_dtype", "estimate_extrapolation", "delay_correction")}
     maxrss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024], dtype=torch.float64)
     rss = [torch.zeros_like(maxrss) for _ in range(world)]
     dist.all_gather(rss, maxrss)

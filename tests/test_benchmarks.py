@@ -215,6 +215,27 @@ def test_update_loop_refuses_acco_acc(capsys):
     assert worker.parse_args(["--method", "acco", "--loop", "update", "--dtype", "bf16"]).dtype == "bf16"
 
 
+def test_dpu_ef_is_mode_dpu_with_error_feedback_in_the_update_loop_only(tmp_path, capsys):
+    """dpu-ef times mode dpu with delay_correction=1.0 (the records say so, as the optimizer holds it); the library
+    refuses delay_correction with accumulate_while_communicating, so the sweeps and the worker refuse dpu-ef in
+    the awc loop before running anything."""
+    import overlap
+    import worker
+
+    with pytest.raises(SystemExit, match="only the update loop"):
+        overlap.main(["--loopback", "--loop", "awc", "--methods", "dpu,dpu-ef"])
+    with pytest.raises(SystemExit):
+        worker.parse_args(["--method", "dpu-ef", "--loop", "awc"])
+    assert "only the update loop" in capsys.readouterr().err
+    out = tmp_path / "ef.jsonl"
+    run_command([sys.executable, str(BENCH / "overlap.py"), "--loopback", "--smoke", "--repeats", "1", "--loop",
+                 "update", "--methods", "dpu,dpu-ef", "--out", str(out)], timeout=300)
+    dpu, ef = _records(out)
+    assert dpu["options"]["mode"] == ef["options"]["mode"] == "dpu"
+    assert (dpu["options"]["delay_correction"], ef["options"]["delay_correction"]) == ("0.0", "1.0")
+    assert ef["tokens_per_s"] > 0 and ef["summary"]["rounds"] > 0
+
+
 def test_netns_dry_run_prints_a_rate_limited_testbed():
     """Check the testbed's commands: a namespace per rank, MTU 9000, tbf on both ends of every link."""
     out = subprocess.run([sys.executable, str(BENCH / "netns.py"), "up", "--ranks", "3", "--rate-mbit", "100",
