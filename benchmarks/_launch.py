@@ -31,15 +31,26 @@ def torchrun_commands(worker_args: Sequence[str], ranks: int, loopback: bool, sc
     ]
 
 
+# the worker's methods that run in one loop only: method -> (that loop, why), for the sweeps and the worker alike
+ONE_LOOP = {
+    "acco-acc": ("awc", "accumulates while a round is in flight, which only the awc loop "
+                        "(accumulate_while_communicating=True) does"),
+    "dpu-ef": ("update", "(delay_correction=1.0) needs one step() per update, which only the update loop does"),
+}
+
+
+def loop_refusal(method: str, loop: str) -> Optional[str]:
+    """Why ``method`` cannot run in ``loop`` (``ONE_LOOP``), or None."""
+    needed, why = ONE_LOOP.get(method, (loop, ""))
+    return None if needed == loop else f"{method} {why}"
+
+
 def check_loop(methods: Sequence[str], loop: str) -> None:
     """Refuse, before any run, a method that ``worker.py`` refuses in ``loop``."""
-    names = [m.partition(":")[0] for m in methods]
-    if loop != "awc" and "acco-acc" in names:
-        sys.exit("acco-acc accumulates while a round is in flight, which only the awc loop "
-                 "(accumulate_while_communicating=True) does: drop it from --methods or use --loop awc")
-    if loop != "update" and "dpu-ef" in names:
-        sys.exit("dpu-ef (delay_correction=1.0) needs one step() per update, which only the update loop does: "
-                 "drop it from --methods or use --loop update")
+    for name in [m.partition(":")[0] for m in methods]:
+        refusal = loop_refusal(name, loop)
+        if refusal:
+            sys.exit(f"{refusal}: drop it from --methods or use --loop {ONE_LOOP[name][0]}")
 
 
 def run_processes(cmds: Sequence[Sequence[str]], env: Optional[Dict[str, str]] = None,

@@ -76,6 +76,8 @@ import acco  # noqa: E402
 from acco import AccoOptimizer  # noqa: E402
 from acco.stats import nbytes, summarize  # noqa: E402
 
+import _launch  # noqa: E402  (this folder: the methods that run in one loop only)
+
 LIBRARY = ["acco", "acco-acc", "dpu", "dpu-ef", "sync"]
 METHODS = LIBRARY + ["ddp", "ddp-zero", "compute"]
 
@@ -106,12 +108,9 @@ def parse_args(argv=None):
     args = p.parse_args(argv)
     if args.optimizer == "muon" and args.method == "ddp-zero":
         p.error("--optimizer muon runs with the library's methods, ddp and compute (not ddp-zero)")
-    if args.method == "acco-acc" and args.loop != "awc":
-        p.error("--method acco-acc accumulates while a round is in flight, which only the awc loop "
-                "(accumulate_while_communicating=True) does: run it with --loop awc")
-    if args.method == "dpu-ef" and args.loop != "update":
-        p.error("--method dpu-ef (delay_correction=1.0) needs one step() per update, which only the update loop "
-                "does: run it with --loop update")
+    refusal = _launch.loop_refusal(args.method, args.loop)
+    if refusal:
+        p.error(f"--method {refusal}: run it with --loop {_launch.ONE_LOOP[args.method][0]}")
     return args
 
 
