@@ -127,8 +127,8 @@ def setting_title(setting, pts) -> str:
 
 
 def overlap_table(setting, pts) -> str:
-    rows = ["| rate Mbit/s | T_half ms | T_round ms (sync) | x = T_round/T_half | method | tokens/s | utilisation | "
-            "model | round ms | hidden |", "|---|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| rate Mbit/s | T_half ms | T_round ms (sync) | x = T_round/T_half | method | tokens/s | vs ddp | vs acco | "
+            "utilisation | model | round ms | hidden |", "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for rate, p in pts.items():
         th, tr = median(p.t_half()), median(p.summary("sync", "round_s"))
         model = {}
@@ -142,7 +142,8 @@ def overlap_table(setting, pts) -> str:
         for label in p.runs:
             m = model.get(label)  # variants such as acco:ring0 have no model column
             rounds = [t and t * 1e3 for t in p.summary(label, "round_s")]
-            cells = head + [label, stat(p.field(label), ms),
+            against = [stat(p.ratio(label, d)) if d in p.runs and d != label else "" for d in ("ddp", "acco")]
+            cells = head + [label, stat(p.field(label), ms)] + against + [
                             stat(p.ratio(label, "compute"), "{:.3f}"), "" if m is None else f"{m:.3f}",
                             stat(rounds, ms), stat(p.summary(label, "hidden"))]
             rows.append("| " + " | ".join(cells) + " |")

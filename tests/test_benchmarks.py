@@ -192,6 +192,11 @@ def test_report_takes_ratios_per_repeat(tmp_path):
     assert ratio["100"]["acco / best of (ddp, ddp-zero)"] == _ratio_cell(best)
     rows = {(r["rate Mbit/s"], r["method"]): r for r in _table(text, "utilisation")}
     assert rows["100", "acco"]["utilisation"] == "0.800 [0.500–0.900]"  # 90/100, 100/200, 80/100
+    for label in ("sync", "ddp-zero"):  # each method against DDP and ACCO, per repeat; none against itself
+        for col, den in (("vs ddp", "ddp"), ("vs acco", "acco")):
+            assert rows["100", label][col] == _ratio_cell([rec[label, k] / rec[den, k] for k in range(3)]), (label, col)
+    assert rows["100", "ddp"]["vs ddp"] == "" and rows["100", "acco"]["vs acco"] == ""
+    assert rows["50", "acco"]["vs ddp"] == ""  # the old record's point has no DDP run
     assert rows["50", "acco"]["tokens/s"] == "7"  # the old record, as one repeat
     # acco's peak 13000 B vs ddp-zero's 10000 B: 0.75 fp32 copies (4000 B), 1.5 bf16 copies (2000 B)
     [target] = _table(text, "in fp32 copies")
