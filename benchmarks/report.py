@@ -142,7 +142,7 @@ def overlap_table(setting, pts) -> str:
         for label in p.runs:
             m = model.get(label)  # variants such as acco:ring0 have no model column
             rounds = [t and t * 1e3 for t in p.summary(label, "round_s")]
-            against = [stat(p.ratio(label, d)) if d in p.runs and d != label else "" for d in ("ddp", "acco")]
+            against = [stat(p.ratio(label, d)) if d != label else "" for d in ("ddp", "acco")]  # "" where d did not run
             cells = head + [label, stat(p.field(label), ms)] + against + [
                             stat(p.ratio(label, "compute"), "{:.3f}"), "" if m is None else f"{m:.3f}",
                             stat(rounds, ms), stat(p.summary(label, "hidden"))]
