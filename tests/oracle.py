@@ -12,7 +12,8 @@ from typing import Callable, List, Optional, Sequence
 import torch
 
 Tensors = List[torch.Tensor]
-GradFn = Callable[[int, int, Tensors], Tensors]  # (rank, micro-batch index on that rank, weights) -> gradients
+# (rank, micro-batch index on that rank, weights) -> gradients; None for a tensor that got no gradient there
+GradFn = Callable[[int, int, Tensors], List[Optional[torch.Tensor]]]
 MakeOpt = Callable[[Tensors], torch.optim.Optimizer]
 
 
@@ -45,21 +46,23 @@ def clipped(grads: Tensors, max_grad_norm: Optional[float]) -> Tensors:
     return [g * coef.to(g.dtype) for g in grads]
 
 
-def _opt_step(opt: torch.optim.Optimizer, theta: Tensors, grads: Tensors) -> None:
-    """Opt(theta, g): one committed step."""
-    for t, g in zip(theta, grads):
-        t.grad = g.clone()
+def _opt_step(opt: torch.optim.Optimizer, theta: Tensors, grads: Tensors,
+              present: Optional[Sequence[bool]] = None) -> None:
+    """Opt(theta, g): one committed step. ``present[i]`` False: tensor ``i`` got no gradient in the round on any
+    rank, so its ``.grad`` is None and torch's step skips it (it does not move, its state does not advance)."""
+    for i, (t, g) in enumerate(zip(theta, grads)):
+        t.grad = g.clone() if present is None or present[i] else None
     opt.step()
 
 
 def _opt_star(opt: torch.optim.Optimizer, make_opt: MakeOpt, theta: Tensors, grads: Tensors,
-              extrapolation: float = 1.0) -> Tensors:
+              extrapolation: float = 1.0, present: Optional[Sequence[bool]] = None) -> Tensors:
     """Opt*(theta, g): the same step on a scratch copy; theta and opt untouched. ``extrapolation`` c:
     ``theta + c * (Opt*(theta, g) - theta)`` (``estimate_extrapolation``)."""
     scratch = [t.detach().clone() for t in theta]
     tmp = make_opt(scratch)
     tmp.load_state_dict(copy.deepcopy(opt.state_dict()))
-    _opt_step(tmp, scratch, grads)
+    _opt_step(tmp, scratch, grads, present)
     if extrapolation != 1.0:
         return [t + extrapolation * (s - t) for t, s in zip(theta, scratch)]
     return scratch
@@ -85,6 +88,7 @@ def reference_run(
     opt = make_opt(theta)
     model = [t.clone() for t in theta]  # P: what the model holds (identical on all ranks)
     accum = [torch.zeros_like(t) for t in theta]
+    seen = [False] * len(theta)  # whether tensor i got a gradient in the sum since the last commit, on any rank
     accum_count = 0
     pending = None  # (weights, kind) of the round in flight
     next_mb = [0] * n_ranks
@@ -93,8 +97,10 @@ def reference_run(
     for k in range(n_handoffs):
         for r in range(n_ranks):
             for j in range(counts[r][k]):
-                for a, g in zip(accum, grad_fn(r, next_mb[r], model)):
-                    a += g
+                for i, (a, g) in enumerate(zip(accum, grad_fn(r, next_mb[r], model))):
+                    if g is not None:
+                        a += g
+                        seen[i] = True
                 next_mb[r] += 1
                 accum_count += 1
                 if j < counts[r][k] - 1:  # no hand-off: the model keeps its weights
@@ -105,11 +111,13 @@ def reference_run(
         kind = "estimate" if mode == "acco" and k % 2 == 0 else "commit"
         mean = [a / accum_count for a in accum]
         if kind == "estimate":
-            result = _opt_star(opt, make_opt, theta, mean, estimate_extrapolation)  # theta~_{t+1}; gradients kept
+            # theta~_{t+1}; gradients kept
+            result = _opt_star(opt, make_opt, theta, mean, estimate_extrapolation, list(seen))
         else:
-            _opt_step(opt, theta, mean)  # theta_{t+1}
+            _opt_step(opt, theta, mean, seen)  # theta_{t+1}
             result = [t.detach().clone() for t in theta]
             accum = [torch.zeros_like(t) for t in theta]
+            seen = [False] * len(theta)
             accum_count = 0
         pending = (result, kind)
         if mode == "sync":
@@ -170,13 +178,16 @@ def update_run(
     after_step: List[Tensors] = []
     committed: List[Tensors] = []
     h = estimate_microbatches or m // 2  # micro-batches before the estimate's hand-off
-    previous = None  # delay_correction: u_{k-1}, the last corrected update's own step
+    previous: List[Optional[torch.Tensor]] = [None] * len(theta)  # delay_correction: u_{k-1} of each tensor
+    seen = [False] * len(theta)  # whether tensor i got a gradient in the update so far, on any rank
 
     def accumulate(accum: Tensors, count: int) -> None:
         for r in range(n_ranks):
             for _ in range(count):
-                for a, g in zip(accum, grad_fn(r, nxt[r], model)):
-                    a += g
+                for i, (a, g) in enumerate(zip(accum, grad_fn(r, nxt[r], model))):
+                    if g is not None:
+                        a += g
+                        seen[i] = True
                 nxt[r] += 1
 
     for t in range(n_updates):
@@ -184,6 +195,7 @@ def update_run(
             for g in opt.param_groups:
                 g["lr"] = lr_at(t)
         accum = [torch.zeros_like(x) for x in theta]
+        seen[:] = [False] * len(theta)
         synchronous = t < synchronous_updates or (learned and t == 0)
         if mode == "acco" and not synchronous:
             if estimate_dtype is None:
@@ -194,8 +206,10 @@ def update_run(
                 for r in range(n_ranks):
                     own = [torch.zeros_like(x) for x in theta]
                     for _ in range(h):
-                        for o, g in zip(own, grad_fn(r, nxt[r], model)):
-                            o += g
+                        for i, (o, g) in enumerate(zip(own, grad_fn(r, nxt[r], model))):
+                            if g is not None:
+                                o += g
+                                seen[i] = True
                         nxt[r] += 1
                     for a, o in zip(accum, own):
                         a += o
@@ -205,26 +219,28 @@ def update_run(
             if pending is not None:  # hand-off of the estimate: theta_t into the model
                 model, pending = [x.clone() for x in pending], None
             estimate = _opt_star(opt, make_opt, theta, clipped([a * (m / (h * n_ranks)) for a in first], max_grad_norm),
-                                 estimate_extrapolation)
+                                 estimate_extrapolation, list(seen))
             if estimate_dtype is not None:
                 estimate = [x.to(estimate_dtype).to(theta[0].dtype) for x in estimate]
             accumulate(accum, m - h)
             model = estimate  # step(): theta~_{t+1} into the model, the commit in flight
-            _opt_step(opt, theta, clipped([a * (1.0 / n_ranks) for a in accum], max_grad_norm))
+            _opt_step(opt, theta, clipped([a * (1.0 / n_ranks) for a in accum], max_grad_norm), seen)
             pending = [x.detach().clone() for x in theta]
         else:
             accumulate(accum, m)
             if mode == "dpu" and pending is not None:
                 model = [x.clone() for x in pending]
             before = [x.detach().clone() for x in theta]
-            _opt_step(opt, theta, clipped([a * (1.0 / n_ranks) for a in accum], max_grad_norm))
+            _opt_step(opt, theta, clipped([a * (1.0 / n_ranks) for a in accum], max_grad_norm), seen)
             if mode == "dpu" and delay_correction and not synchronous:
-                steps = [b - x for b, x in zip(before, theta)]  # u_k
-                if previous is not None:
-                    with torch.no_grad():
-                        for x, u, v in zip(theta, steps, previous):
-                            x -= delay_correction * (u - v)
-                previous = steps
+                for i, (b, x) in enumerate(zip(before, theta)):
+                    if not seen[i]:  # not stepped: no feedback, its last step stays recorded
+                        continue
+                    u = b - x  # u_k
+                    if previous[i] is not None:
+                        with torch.no_grad():
+                            x -= delay_correction * (u - previous[i])
+                    previous[i] = u
             pending = [x.detach().clone() for x in theta]
             if mode == "sync" or synchronous:
                 model, pending = pending, None

@@ -12,6 +12,7 @@ import threading
 import time
 
 import pytest
+import torch
 
 import acco.rounds as rounds
 from _dist import run_ranks
@@ -40,7 +41,7 @@ def _overlap_worker(rank: int, world: int, mode: str) -> list:
 
     def logged_all_gather(flat, shard, group, algorithm="native"):
         orig_ag(flat, shard, group, algorithm)
-        if shard.numel() > 3:  # the weights, not the [count, fingerprint, round id] row
+        if shard.dtype != torch.float64:  # the (fp32) weights, not the float64 row [count, fingerprint, round id, bits]
             note("all_gather_end")
 
     rounds.reduce_scatter_flat, rounds.all_gather_flat = held_reduce_scatter, logged_all_gather

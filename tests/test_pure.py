@@ -139,3 +139,31 @@ def test_an_explicit_estimate_extrapolation_is_kept(given):
 def test_an_explicit_estimate_dtype_is_kept(given):
     assert resolve_estimate_dtype(given, "acco", F32, F32, 2) == given
     assert resolve_estimate_dtype(None, "sync", F32, F32, 2) is None
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_arrival_bits_round_trip_through_the_row(seed):
+    """The arrivals' words (52 bits a float64) survive a float64 all-gather bit for bit: the parameters no rank
+    had are exactly those every rank lacked, for counts of parameters on either side of a word's edge."""
+    from acco import arrivals
+
+    g = torch.Generator().manual_seed(seed)
+    n = int(torch.randint(1, 160, (1,), generator=g))
+    ranks = int(torch.randint(1, 5, (1,), generator=g))
+    missing = [{i for i in range(n) if torch.rand(1, generator=g) < 0.6} for _ in range(ranks)]
+    rows = torch.tensor([arrivals.pack(m, n) for m in missing], dtype=torch.float64).tolist()
+    assert len(rows[0]) == arrivals.words(n) == math.ceil(n / 52)
+    assert arrivals.missing_everywhere(rows, n) == frozenset(set.intersection(*missing))
+
+
+def test_counted_ranges_merges_neighbouring_pieces():
+    """The norm's ranges: one per run of neighbouring counted pieces, not one per piece."""
+    from types import SimpleNamespace
+
+    from acco.mesh import counted_ranges
+
+    pieces = [SimpleNamespace(index=i, numel=b - a, local_start=a, local_end=b)
+              for i, (a, b) in enumerate([(0, 3), (3, 5), (5, 5), (5, 9), (9, 12), (12, 20)])]
+    assert counted_ranges([True, True, True, True, False, True], pieces) == [(0, 9), (12, 20)]
+    assert counted_ranges([False, True, False, True, False, True], pieces) == [(3, 9), (12, 20)]
+    assert counted_ranges([True] * 6, pieces) is None

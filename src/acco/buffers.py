@@ -26,6 +26,7 @@ from typing import Any, Dict, List, Optional, Sequence
 
 import torch
 
+from . import arrivals as _arrivals
 from .grads import GradBinding
 from .placement import Layout
 from .rounds import ShardBuffers
@@ -96,6 +97,11 @@ class FlatBuffers:
         self.accum_views = layout.views(self.accum)
         self._fold_task = -1  # the backward pass add_incoming last saw
         self.binding = GradBinding(self.params, layout.views(self.grads), self.grads)
+        # Which parameters have a gradient in the sum (torch's ``.grad is None``): a sum that is .grad itself, or
+        # is folded into as each gradient arrives, goes with .grad when the user discards or zeroes it.
+        self.arrivals = _arrivals.Arrivals(len(self.params))
+        self._grad_is_sum = self.grads is self.accum or self.fold_on_arrival
+        row = 3 + _arrivals.words(len(self.params))  # [count, fingerprint, round id, the arrivals' bits]
         self.shard = ShardBuffers(
             comm=self.comm,
             weights=self.comm_weights,
@@ -103,13 +109,17 @@ class FlatBuffers:
             grad=torch.zeros_like(master),
             count=torch.zeros(1, dtype=master_dtype, device=device),
             rank_counts=torch.zeros(layout.world_size, dtype=master_dtype, device=device),
-            row=torch.zeros(3, dtype=torch.float64, device=device),
-            rows=torch.zeros(3 * layout.world_size, dtype=torch.float64, device=device),
+            row=torch.zeros(row, dtype=torch.float64, device=device),
+            rows=torch.zeros(row * layout.world_size, dtype=torch.float64, device=device),
+            all_arrived=torch.empty(row - 3, dtype=torch.float64, device=device),
             staging=None if cd == master_dtype else torch.zeros(s, dtype=cd, device=device),
             collectives=collectives,
             comm_low=self.comm_low,
             low_slice=low_slice,
         )
+        with torch.no_grad():  # each word filled as a kernel argument: no copy from host memory
+            for w, value in enumerate(_arrivals.pack((), len(self.params))):
+                self.shard.all_arrived[w].fill_(value)
         if rd != master_dtype:  # gradients reduced in a narrower dtype than the master's: their own landing slice
             b = self.shard
             b.grad_staging = b.staging if rd == cd else torch.zeros(s, dtype=rd, device=device)
@@ -125,20 +135,25 @@ class FlatBuffers:
     # ------------------------------------------------------------ gradients
 
     @torch.no_grad()
-    def handoff(self, commit: bool) -> None:
+    def handoff(self, commit: bool) -> frozenset:
         """The gradient sum goes into the round buffer; a commit's leaves the accumulation (an estimate's
-        gradients count again in the commit), and ``.grad`` is zero after it in every default loop."""
+        gradients count again in the commit), and ``.grad`` is zero after it in every default loop. Returns the
+        parameters without a gradient in that sum (``arrivals.Arrivals.take``)."""
         (self.comm if commit or self.comm_low is None else self.comm_low).copy_(self.accum)
+        missing = self.arrivals.take(commit)
         if commit:
             self.accum.zero_()
             if self.fold_on_arrival:  # .grad is the compute-dtype sum of its own: it goes with the update too
                 self.binding.zero_()
+        return missing
 
     @torch.no_grad()
     def fold(self, clip_hint) -> None:
         """Accumulating while communicating: accum += this micro-batch's gradients, and ``.grad`` is zeroed."""
-        self.binding.check_untouched(clip_hint, strict=False)
+        self.binding.check_untouched(clip_hint, strict=False,
+                                     on_discard=lambda i: self.arrivals.discard(i, whole_sum=False))
         self.accum.add_(self.grads)
+        self.arrivals.fold()
         self.binding.zero_()
 
     @torch.no_grad()
@@ -166,23 +181,30 @@ class FlatBuffers:
         self.binding.zero_()
         if update_loop and self.fold_on_arrival:
             self.accum.zero_()
+        self.arrivals.zero(whole_sum=update_loop and self._grad_is_sum)
 
     @torch.no_grad()
     def drop_accumulated(self) -> None:
         """The gradient sum goes (``finish()``: micro-batches whose ``step()`` never came); ``.grad`` stays."""
         self.accum.zero_()
+        self.arrivals.drop_accumulated()
 
     @torch.no_grad()
     def reset(self) -> None:
         """Nothing accumulated, ``.grad`` zero and bound (after a load)."""
         self.accum.zero_()
         self.binding.zero_()
+        self.arrivals.clear()
 
     def check_untouched(self, clip_hint) -> None:
         """Before a hand-off: raise if ``.grad`` was changed in place (see ``GradBinding``). With a separate
         fp32 sum, a ``.grad`` the user set to ``None`` since the last backward discards that parameter's sum too,
         as torch would see no gradient."""
-        discard = (lambda i: self.accum_views[i].zero_()) if self.fold_on_arrival else None
+        def discard(i: int) -> None:
+            if self.fold_on_arrival:
+                self.accum_views[i].zero_()
+            self.arrivals.discard(i, whole_sum=self._grad_is_sum)
+
         self.binding.check_untouched(clip_hint, on_discard=discard)
 
     # ------------------------------------------------------------ weights

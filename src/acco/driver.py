@@ -74,12 +74,12 @@ class RoundDriver:
         # hand-off, before issuing round k, so no rank is left in a collective its peers never issue.
         self.read_reports(upto=self.progress.num_rounds - 2)
         self.install_pending()  # the previous round's weights are the model's for the micro-batches after this hand-off
-        self.flat.handoff(commit=kind is RoundKind.COMMIT)
+        missing = self.flat.handoff(commit=kind is RoundKind.COMMIT)  # and the parameters without a gradient
         hyper = self.progress.update_hyper
         spec = RoundSpec(
             kind, local_microbatches, grad_scale, hyper, hyper_fingerprint(hyper),
             2 * self.progress.num_rounds + int(kind is RoundKind.ESTIMATE),  # the same on every rank, or all raise
-            delay_correction,
+            delay_correction, missing,
         )
         self.progress.num_rounds += 1
         if kind is RoundKind.COMMIT:

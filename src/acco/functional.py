@@ -64,6 +64,7 @@ def estimate_into(
     pieces: Sequence[torch.Tensor],
     master: torch.Tensor,
     extrapolation: float = 1.0,
+    counts_differ: bool = False,
 ) -> None:
     """Write ``Opt*(master, pieces' .grad)`` into ``out`` (master's shape, any float dtype) where ``pieces`` lie;
     change nothing else (the caller fills the rest of ``out``: other optimizers' tensors, padding).
@@ -89,35 +90,56 @@ def estimate_into(
     keys = ("exp_avg", "exp_avg_sq") if adam else ("momentum_buffer",)
     for group in optimizer.param_groups:
         # A group's pieces share its hyper-parameters, and they step together (each has a .grad, a view of the
-        # gradient slice): one step count for all, taken from the first piece with state.
-        with_state: List[List[torch.Tensor]] = []
-        without_state: List[List[torch.Tensor]] = []
-        step = None
+        # gradient slice) under one step count, unless some skipped a step (no gradient, ``.grad`` None: they
+        # are left as they are, as torch's step leaves them). Pieces are batched by step count: a host-side
+        # count is read per piece; a device-side one is taken from the first piece with state, and where
+        # ``counts_differ`` each piece is its own batch (no host read of the device's counts).
+        batches: Dict[Any, Tuple[Any, List[List[torch.Tensor]], List[List[torch.Tensor]]]] = {}
+        skipped: List[Tuple[int, torch.Tensor]] = []
         for p in group["params"]:
             if p.numel() == 0:  # a parameter outside this rank's slice (an empty view has no address)
                 continue
             start = (p.data_ptr() - base) // size
+            if p.grad is None:  # no gradient in this round: theta~ is theta there
+                skipped.append((start, p))
+                continue
             state = optimizer.state.get(p, {})
             moments = [state[k].reshape(-1) for k in keys if state.get(k) is not None]
-            if step is None and state.get("step") is not None:
-                step = state["step"]
+            step = state.get("step")
+            if step is None or _device_count(step, group):
+                key = id(p) if counts_differ and step is not None else "device"
+            else:
+                key = float(step)
+            entry = batches.setdefault(key, (step, [], []))
+            if entry[0] is None and step is not None:
+                entry = batches[key] = (step, entry[1], entry[2])
             row = [out[start : start + p.numel()], p.reshape(-1), p.grad.reshape(-1), *moments]
-            (with_state if len(moments) == len(keys) else without_state).append(row)
-        for rows, stateful in ((with_state, True), (without_state, False)):
-            # Adam's bias corrections from a device-side step count (capturable, fused): once per group. Each
-            # is a few scalar kernels; per batch they were a third of a round's launches on the first GPU run.
-            # A host-side count gives plain numbers, computed per batch (reading the count there is also
-            # where the simulated device of tests/fake_cuda.py runs the queued batches and frees their
-            # temporaries, which the caching allocator would reuse on the stream at once).
-            once = _adam_scalars(step, group, extrapolation) if adam and stateful and _device_count(step, group) else None
-            for batch in _batches(rows, chunk_elements(master)):
-                columns = [list(c) for c in zip(*batch)]
-                if adam:
-                    scalars = once if once is not None else _adam_scalars(step if stateful else None, group,
-                                                                          extrapolation)
-                    _adam(*columns[:3], columns[3:] if stateful else None, scalars, group, extrapolation)
-                else:
-                    _sgd(*columns[:3], columns[3] if stateful else None, group, extrapolation)
+            (entry[1] if len(moments) == len(keys) else entry[2]).append(row)
+        for start, p in skipped:
+            out[start : start + p.numel()].copy_(p.reshape(-1))
+        for step, with_state, without_state in batches.values():
+            _estimate_batches(out, group, adam, step, with_state, without_state, master, extrapolation)
+
+
+def _estimate_batches(out: torch.Tensor, group: Dict[str, Any], adam: bool, step: Optional[torch.Tensor],
+                      with_state: List[List[torch.Tensor]], without_state: List[List[torch.Tensor]],
+                      master: torch.Tensor, extrapolation: float) -> None:
+    """:func:`estimate_into` for pieces of one group that share the step count ``step``."""
+    for rows, stateful in ((with_state, True), (without_state, False)):
+        # Adam's bias corrections from a device-side step count (capturable, fused): once per group. Each
+        # is a few scalar kernels; per batch they were a third of a round's launches on the first GPU run.
+        # A host-side count gives plain numbers, computed per batch (reading the count there is also
+        # where the simulated device of tests/fake_cuda.py runs the queued batches and frees their
+        # temporaries, which the caching allocator would reuse on the stream at once).
+        once = _adam_scalars(step, group, extrapolation) if adam and stateful and _device_count(step, group) else None
+        for batch in _batches(rows, chunk_elements(master)):
+            columns = [list(c) for c in zip(*batch)]
+            if adam:
+                scalars = once if once is not None else _adam_scalars(step if stateful else None, group,
+                                                                      extrapolation)
+                _adam(*columns[:3], columns[3:] if stateful else None, scalars, group, extrapolation)
+            else:
+                _sgd(*columns[:3], columns[3] if stateful else None, group, extrapolation)
 
 
 DELAY_KEY = "acco_previous_update"  # the state entry delay_correction keeps per tensor: the last step taken
@@ -135,6 +157,8 @@ def correct_delay(optimizer: torch.optim.Optimizer, tensors: Sequence[torch.Tens
     keeps a round's launches from growing with the number of tensors."""
     fed, previous, now = [], [], []
     for t, (a, b) in zip(tensors, pieces):
+        if t.grad is None:  # not stepped (no gradient): no feedback, and its last step stays the one recorded
+            continue
         u = steps[a:b].view_as(t)
         state = optimizer.state[t]
         if state.get(DELAY_KEY) is None:  # nothing to feed back yet

@@ -83,7 +83,14 @@ class LocalShards:
                 f"AccoOptimizer: parameter {index}'s local shard was replaced after the optimizer was built (FSDP2 "
                 "replaces it when the model's state is loaded into it or its storage is reset), so the optimizer's "
                 "updates would no longer reach the model. Build AccoOptimizer after loading the model's weights.")
-        grad = p.grad.to_local()
+        grad = p.grad
+        if any(placement.is_partial() for placement in grad.placements):
+            # A Replicate parameter whose gradient is a partial sum over a mesh dimension (a SequenceParallel
+            # norm's weight, a Rowwise bias with sequence-sharded output): its local piece is only part of the
+            # sum. Reduced to the parameter's placements first, as FSDP2 does: one all-reduce over that mesh
+            # dimension (the fast link inside a host), issued in backward in the same order on its ranks.
+            grad = grad.redistribute(grad.device_mesh, p.placements)
+        grad = grad.to_local()
         if local.grad is None:
             local.grad = grad.clone()
         else:
@@ -173,10 +180,19 @@ def check_replicas(shards: LocalShards, group: Optional[dist.ProcessGroup]) -> L
 
 def counted_ranges(counts: Optional[List[bool]], pieces: Sequence[Any]) -> Optional[List[Tuple[int, int]]]:
     """The ranges of this rank's gradient slice (``pieces``: the layout's, of this rank) whose squares count in
-    the global norm: those of the parameters it counts (:func:`check_replicas`). ``None``: the whole slice."""
+    the global norm: those of the parameters it counts (:func:`check_replicas`). ``None``: the whole slice.
+    Neighbouring pieces are merged into one range: the norm launches a few kernels per range, every round."""
     if counts is None or all(counts):
         return None
-    return [(pc.local_start, pc.local_end) for pc in pieces if pc.numel and counts[pc.index]]
+    merged: List[Tuple[int, int]] = []
+    for pc in pieces:
+        if not (pc.numel and counts[pc.index]):
+            continue
+        if merged and merged[-1][1] == pc.local_start:
+            merged[-1] = (merged[-1][0], pc.local_end)
+        else:
+            merged.append((pc.local_start, pc.local_end))
+    return merged
 
 
 def check_supported(shards: LocalShards, group: Optional[dist.ProcessGroup], *, whole: bool,

@@ -473,6 +473,7 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         if self._shards.any:
             self._shards.take_grad(index)  # the DTensor gradient's local shard into the buffer
         self._flat.binding.after_accumulate(index)
+        self._flat.arrivals.mark(index)  # this parameter has a gradient in the update (torch: .grad not None)
         self._progress.at_boundary = False
         if not self._loop.queues_end_of_backward:
             return
@@ -638,9 +639,17 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         For ``torch.save`` on every rank, each its own file; for any world size
         use :mod:`acco.checkpoint` (DCP). Take it between a ``step()`` and the
         next ``backward()`` (``at_update_boundary``); it waits for the in-flight
-        round. Local: no collective.
+        round. Local: no collective. The hooks of ``register_state_dict_pre_hook``/``_post_hook`` run as on a
+        torch optimizer.
         """
-        return state_io.state_dict(self._owners)
+        for pre_hook in list(self._optimizer_state_dict_pre_hooks.values()):
+            pre_hook(self)
+        state_dict = state_io.state_dict(self._owners)
+        for post_hook in list(self._optimizer_state_dict_post_hooks.values()):
+            result = post_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
+        return state_dict
 
     def sharded_state_dict(self) -> Dict[str, Any]:
         """The state for ``torch.distributed.checkpoint``: each rank's pieces keyed by parameter and first
@@ -657,9 +666,18 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         model may hold anything, its weights come from the state alone). A state saved with another
         ``microbatches_per_update`` is refused unless ``allow_new_microbatches=True``: then training goes on
         with this optimizer's count (keep the global batch when the number of ranks changes). Checkpoints of
-        format 2 (acco before per-parameter state) load too. Collective: call on all ranks."""
+        format 2 (acco before per-parameter state) load too. Collective: call on all ranks. The hooks of
+        ``register_load_state_dict_pre_hook``/``_post_hook`` run as on a torch optimizer."""
+        if isinstance(state_dict, dict):
+            state_dict = dict(state_dict)  # shallow copy, as torch's load does, so a pre-hook may edit it
+        for pre_hook in list(self._optimizer_load_state_dict_pre_hooks.values()):
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
         state_io.load_state_dict(self._owners, state_dict, restore_model=restore_model,
                                  allow_new_microbatches=allow_new_microbatches)
+        for post_hook in list(self._optimizer_load_state_dict_post_hooks.values()):
+            post_hook(self)
 
     def consolidated_state_dict(self) -> Dict[str, Any]:
         """Full per-parameter state in the wrapped optimizer's own format (with several classes: each

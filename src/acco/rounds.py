@@ -35,16 +35,16 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
 
-from . import functional
+from . import arrivals, functional
 from .errors import HyperParameterMismatchError, NonFiniteGradientError, RoundFailedError, RoundMismatchError
 from .collectives import all_gather_flat, all_reduce_sum, reduce_scatter_flat
 from .snapshot import OptimizerSnapshot, skips_in_kernel
-from .wrapped import WrappedOptimizers
+from .wrapped import WrappedOptimizers, local_step
 
 __all__ = [
     "HyperParameterMismatchError",
@@ -115,6 +115,7 @@ class ShardBuffers:
     comm_low: Optional[torch.Tensor] = None
     low_slice: Optional[torch.Tensor] = None
     host_empty: Any = None  # (shape, dtype) -> a host tensor the device writes without blocking (device checks)
+    all_arrived: Optional[torch.Tensor] = None  # the row's arrival bits with every parameter's set (arrivals.pack)
 
 
 @dataclass
@@ -149,6 +150,7 @@ class RoundSpec:
     hyper_fingerprint: float = 0.0  # of ``hyperparams``: all ranks must agree
     round_id: int = 0  # 2 * rounds handed off + (1 if estimate): all ranks must agree
     delay_correction: float = 0.0  # c of the error feedback on this commit's step (mode dpu, a delayed update)
+    missing: FrozenSet[int] = frozenset()  # parameters without a gradient in this rank's sum (arrivals.py)
 
 
 @dataclass
@@ -236,7 +238,7 @@ def run_round(ctx: RoundContext, spec: RoundSpec) -> RoundResult:
     per such round).
     """
     b, kind = ctx.buffers, spec.kind
-    pairs = _exchange_rows(ctx, spec)  # 1. every rank's [micro-batch count, hyper fingerprint, round id]
+    pairs, unused = _exchange_rows(ctx, spec)  # 1. every rank's [micro-batch count, hyper fingerprint, round id]
     low = _reduce_gradients(ctx, spec)  # 2. this rank's slice of the averaged gradient, in b.grad
     # 3. the averaged gradient's global norm: an all-reduce of a scalar (two with DTensor parameters)
     norm = global_grad_norm(b.grad, ctx.group, ctx.model_group, ctx.norm_ranges)
@@ -245,8 +247,10 @@ def run_round(ctx: RoundContext, spec: RoundSpec) -> RoundResult:
     decision = _decide(ctx, kind, pairs, norm, plan)  # 4. skip, raise, or undo on the device
     if ctx.max_grad_norm is not None and not decision.skipped:
         b.grad.mul_(clip_coefficient(norm, ctx.max_grad_norm).to(b.grad.dtype))
-    snapshotted = _step(ctx, kind, plan, decision)  # 5. the optimizers that step for real (on a snapshot: Opt*)
-    source = _new_slice(ctx, plan, decision, snapshotted)  # 6. this rank's new weights: theta, or theta~
+    # A parameter no rank had a gradient for is not stepped, and its state does not advance (torch's .grad None)
+    with ctx.wrapped.without_grads(unused):
+        snapshotted = _step(ctx, kind, plan, decision)  # 5. the optimizers that step for real (on a snapshot: Opt*)
+        source = _new_slice(ctx, plan, decision, snapshotted)  # 6. this rank's new weights: theta, or theta~
     _publish(ctx, plan, source, low, snapshotted)  # 7. all-gather them, then leave theta as Opt* found it
     return RoundResult(kind, spec.local_microbatches, b.count, b.rank_counts, norm, decision.skipped, decision.report)
 
@@ -272,21 +276,36 @@ class _Decision:
     report: Optional[torch.Tensor]
 
 
-def _exchange_rows(ctx: RoundContext, spec: RoundSpec) -> torch.Tensor:
+def _exchange_rows(ctx: RoundContext, spec: RoundSpec) -> Tuple[torch.Tensor, FrozenSet[int]]:
     """Phase 1. Collective on the round group (all-gather of one row per rank). Sets the micro-batch counts and,
-    on the CPU path, raises on every rank alike if the ranks handed off different rounds or hyper-parameters."""
+    on the CPU path, raises on every rank alike if the ranks handed off different rounds or hyper-parameters.
+    Returns the rows' first three columns and the parameters no rank had a gradient for (the row's bits)."""
     b = ctx.buffers
     # fill_ passes each value as a kernel argument: no copy from host memory. (``b.row[i] = value`` would
     # copy a pageable CPU scalar into device memory: a blocking copy that waits for the hand-off's backward.)
     for i, value in enumerate((float(spec.local_microbatches), spec.hyper_fingerprint, float(spec.round_id))):
         b.row[i].fill_(value)
-    all_gather_flat(b.rows, b.row, ctx.group)  # every rank's [micro-batch count, hyper fingerprint, round id]
-    pairs = b.rows.view(-1, 3)
+    bits = b.row[3:]
+    if spec.missing:  # some parameter had no gradient here: its bits from the host, word by word (fill_ as above)
+        for w, value in enumerate(arrivals.pack(spec.missing, ctx.wrapped.n_params)):
+            bits[w].fill_(value)
+    elif bits.numel():
+        bits.copy_(b.all_arrived)  # device to device
+    all_gather_flat(b.rows, b.row, ctx.group)  # every rank's [count, hyper fingerprint, round id, arrival bits]
+    table = b.rows.view(-1, b.row.numel())
+    pairs = table[:, :3]
     b.rank_counts.copy_(pairs[:, 0])
     torch.sum(b.rank_counts, dim=0, keepdim=True, out=b.count)
     if not ctx.device_checks:
         _check_pairs_on_host(spec.kind, pairs)
-    return pairs
+    unused: FrozenSet[int] = frozenset()
+    if spec.missing:
+        # Only a rank that lacks a gradient needs the others' bits: this rank had every other parameter's, so
+        # no other can go unstepped. On CUDA this host read waits for the compute stream to reach the hand-off
+        # and for the row's all-gather (no other collective of the round is issued before it): a short stall,
+        # paid only in rounds where this rank lacks a gradient.
+        unused = arrivals.missing_everywhere(table[:, 3:].tolist(), ctx.wrapped.n_params) & spec.missing
+    return pairs, unused
 
 
 def _reduce_gradients(ctx: RoundContext, spec: RoundSpec) -> bool:
@@ -376,7 +395,7 @@ def _step(ctx: RoundContext, kind: RoundKind, plan: _StepPlan, decision: _Decisi
         before = ctx.delay_scratch.copy_(b.master) if plan.correction else None  # theta_k, for u_k
         try:
             for part in stepped:
-                part.optimizer.step()
+                local_step(part.optimizer)  # its own hooks; torch's global ones fire for the AccoOptimizer
         finally:
             for part in stepped:
                 part.optimizer.__dict__.pop("found_inf", None)
@@ -405,7 +424,8 @@ def _new_slice(ctx: RoundContext, plan: _StepPlan, decision: _Decision, snapshot
         # (the stepped optimizers above read theirs first). Around it, the master as it stands.
         source = b.staging if b.staging is not None else b.grad
         for part in computed:
-            functional.estimate_into(source, part.optimizer, part.tensors, b.master, ctx.extrapolation)
+            functional.estimate_into(source, part.optimizer, part.tensors, b.master, ctx.extrapolation,
+                                     part.counts_differ)
         functional.copy_ranges(source, b.master, around)
         if undo is not None:  # a flag was raised: the estimate is theta itself
             torch.where(undo, b.master.to(source.dtype), source, out=source)
@@ -452,7 +472,7 @@ def mark_call(ctx: "RoundContext", call_index: int, round_id: int) -> None:
     for i, value in enumerate((float(-1 - call_index), 0.0, float(round_id))):
         b.row[i].fill_(value)
     all_gather_flat(b.rows, b.row, ctx.group)  # every rank's [call mark or micro-batch count, ., round id]
-    _check_pairs_on_host(None, b.rows.view(-1, 3))  # a host sync: these calls are not on the hot path
+    _check_pairs_on_host(None, b.rows.view(-1, b.row.numel())[:, :3])  # a host sync: not on the hot path
 
 
 def _check_pairs_on_host(kind: Optional[RoundKind], pairs: torch.Tensor) -> None:

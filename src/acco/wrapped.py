@@ -21,16 +21,17 @@ placed as its user says (``placement=``). No collective here.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import AbstractSet, Any, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 
 from .placement import SLICE, WHOLE, Layout, newton_schulz_flops
 
-__all__ = ["ELEMENTWISE", "Part", "REFUSED", "WHOLE_TENSOR", "WrappedOptimizers", "class_name", "placement_of",
-           "placement_cost"]
+__all__ = ["ELEMENTWISE", "Part", "REFUSED", "WHOLE_TENSOR", "WrappedOptimizers", "class_name", "local_step",
+           "placement_of", "placement_cost"]
 
 # torch.optim classes whose step acts on every element on its own (given per-tensor scalars such as AdamW's
 # step): a slice of a parameter steps exactly as that slice of the whole parameter would.
@@ -89,6 +90,28 @@ def placement_cost(cls: type, shape: Sequence[int], group: Dict[str, Any]) -> fl
     return float(n)
 
 
+def local_step(optimizer: torch.optim.Optimizer) -> Any:
+    """``optimizer.step()`` with its own step hooks but not torch's global ones
+    (``torch.optim.optimizer.register_optimizer_step_pre_hook``/``_post_hook``): those fire once per update, for
+    the :class:`~acco.AccoOptimizer` the user steps, on the caller's thread, as for a plain optimizer; a wrapped
+    optimizer's step is part of that update, run by the round (on its thread on CPU)."""
+    inner = getattr(type(optimizer).step, "__wrapped__", None)
+    if not getattr(type(optimizer).step, "hooked", False) or inner is None:  # torch did not wrap it: no hooks
+        return optimizer.step()
+    args: tuple = (optimizer,)
+    kwargs: Dict[str, Any] = {}
+    for pre_hook in list(optimizer._optimizer_step_pre_hooks.values()):  # as torch's wrapper, minus the globals
+        result = pre_hook(optimizer, args, kwargs)
+        if result is not None:
+            args, kwargs = result
+    with torch.autograd.profiler.record_function(f"Optimizer.step#{type(optimizer).__name__}.step"):
+        out = inner(*args, **kwargs)
+    optimizer._optimizer_step_code()
+    for post_hook in list(optimizer._optimizer_step_post_hooks.values()):
+        post_hook(optimizer, args, kwargs)
+    return out
+
+
 def class_defaults(cls: type) -> Dict[str, Any]:
     """The hyper-parameters ``cls``'s constructor takes, with their defaults (``lr``, ``betas``, ...)."""
     try:
@@ -109,6 +132,8 @@ class Part:
     tensors: List[torch.Tensor]  # their tensors on this rank (views of the master slice), in the same order
     groups: List[int]  # the AccoOptimizer param group of each of its param groups
     pieces: List[Tuple[int, int]] = field(default_factory=list)  # (local start, local end) of each tensor
+    # Some tensor skipped a step (no gradient), so a group's tensors may hold different step counts
+    counts_differ: bool = False
 
 
 class WrappedOptimizers:
@@ -122,6 +147,7 @@ class WrappedOptimizers:
                  param_groups: Sequence[Dict[str, Any]], classes: Sequence[type], kwargs: Dict[type, Dict[str, Any]],
                  index_of_group: Sequence[Sequence[int]]) -> None:
         self.layout, self.rank = layout, rank
+        self.n_params = len(layout.params)
         pieces = layout.pieces(rank)
         held = set(layout.stepped_by(rank))
         self.parts: List[Part] = []
@@ -168,6 +194,7 @@ class WrappedOptimizers:
         self.rank = 0
         self.parts = [Part(optimizer, list(range(len(tensors))), tensors, list(range(len(optimizer.param_groups))), spans)]
         self._where = {i: (0, i) for i in range(len(tensors))}
+        self.n_params = len(tensors)
         return self
 
     # ------------------------------------------------------------ per parameter
@@ -205,6 +232,23 @@ class WrappedOptimizers:
         """(parameter index, tensor) of everything this rank steps, in parameter order."""
         for i in sorted(self._where):
             yield i, self.tensor(i)
+
+    @contextlib.contextmanager
+    def without_grads(self, indices: AbstractSet[int]) -> Iterator[None]:
+        """For the block, ``.grad`` is ``None`` on this rank's tensors of parameters ``indices``: torch's
+        optimizers (and :mod:`acco.functional`) skip them, so they do not move and their state does not advance,
+        as under a plain optimizer for a parameter that got no gradient. Their step counts then differ from their
+        group's others (``Part.counts_differ``)."""
+        held = [(i, self.tensor(i)) for i in sorted(indices) if i in self._where]
+        saved = [(t, t.grad) for _, t in held]
+        for i, t in held:
+            self.part_of(i).counts_differ = True
+            t.grad = None
+        try:
+            yield
+        finally:
+            for t, g in saved:
+                t.grad = g
 
     # ------------------------------------------------------------ all parts
 

@@ -210,6 +210,8 @@ def _restore_value(current: Any, saved: torch.Tensor) -> Any:
         return saved.to(current.device, current.dtype).reshape(current.shape)
     if isinstance(current, (tuple, list)):
         return type(current)(saved.tolist())
+    if current is None:  # a key this group lacks (a scheduler's initial_lr, when the state is loaded first)
+        return float(saved.item()) if saved.dim() == 0 else tuple(saved.tolist())
     return current
 
 
@@ -219,4 +221,4 @@ def restore_hyper(param_groups: List[Dict[str, Any]], hyper: Dict[str, torch.Ten
         if name in IMPLEMENTATION_FLAGS:  # how this run's optimizer computes (its device's choice), not what
             continue
         group = param_groups[int(gi)]
-        group[name] = _restore_value(group.get(name), value)
+        group[name] = _restore_value(group.get(name), value)  # a key the group lacks is added, as torch's load does
