@@ -40,7 +40,7 @@ collective here except :func:`check_replicas`.
 from __future__ import annotations
 
 import warnings
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Callable, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed as dist
@@ -193,6 +193,22 @@ def counted_ranges(counts: Optional[List[bool]], pieces: Sequence[Any]) -> Optio
         else:
             merged.append((pc.local_start, pc.local_end))
     return merged
+
+
+def agreed_done(done: Callable[[], bool], group: dist.ProcessGroup) -> Callable[[], bool]:
+    """``done`` (whether this rank's round has finished), agreed over ``group``, the ranks holding the other
+    shards of this rank's model (accumulating while communicating on a mesh): true only when every one's has.
+    Their forwards run together (tensor parallelism, FSDP2's all-gathers), so they must hand off at the same
+    micro-batch, or a forward would mix shards of different updates and their collectives would be issued in
+    different orders. The loop asks at the same step() on each (the same count since the last hand-off)."""
+
+    def ask() -> bool:
+        flag = torch.tensor([1 if done() else 0], dtype=torch.int32)
+        # Collective on ``group`` (gloo, CPU: the host decides hand-offs): the least of the peers' answers.
+        dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=group)
+        return bool(flag.item())
+
+    return ask
 
 
 def check_supported(shards: LocalShards, group: Optional[dist.ProcessGroup], *, whole: bool,

@@ -353,9 +353,12 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
             progress=self._progress, driver=self._driver, scheduler=self.scheduler, param_groups=self.param_groups,
             describe=self._describe(), session=self._session, process_group=self._group, estimate_microbatches=o.estimate_microbatches,
         )
+        round_done = self.scheduler.done
+        if model_ranks is not None and o.accumulate_while_communicating:  # a model's shards hand off together
+            round_done = mesh.agreed_done(round_done, new_local_group(model_ranks, "gloo", o.timeout))
         loop = LoopContext(
             options=o, world_size=self.world_size, progress=self._progress,
-            driver=self._driver, flat=self._flat, round_done=self.scheduler.done, session=self._session,
+            driver=self._driver, flat=self._flat, round_done=round_done, session=self._session,
             param_groups=self.param_groups, lr_schedulers=self._lr_schedulers, model_buffers=self._model_buffers,
         )
         self._loop = ElasticLoop(loop) if o.accumulate_while_communicating else UpdateLoop(loop)
