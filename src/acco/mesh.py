@@ -84,11 +84,12 @@ class LocalShards:
                 "replaces it when the model's state is loaded into it or its storage is reset), so the optimizer's "
                 "updates would no longer reach the model. Build AccoOptimizer after loading the model's weights.")
         grad = p.grad
-        if any(placement.is_partial() for placement in grad.placements):
-            # A Replicate parameter whose gradient is a partial sum over a mesh dimension (a SequenceParallel
-            # norm's weight, a Rowwise bias with sequence-sharded output): its local piece is only part of the
-            # sum. Reduced to the parameter's placements first, as FSDP2 does: one all-reduce over that mesh
-            # dimension (the fast link inside a host), issued in backward in the same order on its ranks.
+        if tuple(grad.placements) != tuple(p.placements):
+            # The gradient is not laid out as the parameter, as FSDP2 also finds it: a Replicate parameter's
+            # gradient may be a Partial sum over a mesh dimension (a SequenceParallel norm's weight, a Rowwise
+            # bias with sequence-sharded output), whose local piece is only part of the sum (one all-reduce
+            # over that dimension, the fast link inside a host, issued in backward in the same order on its
+            # ranks); a Shard(0) embedding's may come Replicate (this rank's rows taken, no communication).
             grad = grad.redistribute(grad.device_mesh, p.placements)
         grad = grad.to_local()
         if local.grad is None:
