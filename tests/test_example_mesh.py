@@ -47,3 +47,17 @@ def test_the_recipe_runs_with_fsdp2_alone_inside_a_host():
     """(dp, shard, tp) = (2, 2, 1): FSDP2 over 2 ranks of each host, no tensor parallelism."""
     losses = _losses(_torchrun(4, "--dp", "2", "--shard", "2", "--tp", "1", "--updates", "4"))
     assert sorted(losses) == [1, 2, 3, 4] and float(losses[4]) < float(losses[1]), losses
+
+
+def test_the_recipe_with_torchtitans_llama_plan_resumes_bit_identically(tmp_path):
+    """--plan torchtitan (SequenceParallel norms, Rowwise embeddings into a sequence-sharded stream,
+    PrepareModuleInput, loss parallel; FSDP2 on top) on (2, 1, 2): the loss falls, and a job stopped after 2
+    updates and started again goes on with the very losses of one that never stopped; every rank exits 0."""
+    plan = ["--plan", "torchtitan", "--updates", "4"]
+    straight = _losses(_torchrun(4, *plan))
+    ckpt = tmp_path / "ckpt"
+    first = _losses(_torchrun(4, *plan, "--ckpt", str(ckpt), "--save-every", "2", "--stop-after", "2"))
+    out = _torchrun(4, *plan, "--ckpt", str(ckpt))
+    assert f"resumed from {ckpt}/update_0000002 at update 2" in out, out
+    assert {**first, **_losses(out)} == straight and sorted(straight) == [1, 2, 3, 4]
+    assert float(straight[4]) < float(straight[1]) - 0.1, straight

@@ -21,6 +21,7 @@ load too). With GPUs each rank takes ``cuda:LOCAL_RANK`` and NCCL. Every update'
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -90,15 +91,37 @@ class Decoder(nn.Module):
         return self.output(self.norm(x))
 
 
-def parallelize(model: Decoder, mesh) -> None:
-    """Tensor parallelism on mesh['tp'] (each block's projections), then FSDP2 on mesh['shard'] (each block,
-    then the root), as torchtitan's parallelize does."""
+def parallelize(model: Decoder, mesh, plan_name: str = "projections") -> None:
+    """Tensor parallelism on mesh['tp'], then FSDP2 on mesh['shard'] (each block, then the root), as
+    torchtitan's parallelize does. ``plan_name``: "projections" (each block's projections only) or "torchtitan"
+    (torchtitan's Llama plan: embeddings Rowwise into a sequence-sharded residual stream, SequenceParallel norms,
+    PrepareModuleInput before attention and the feed-forward, and the output Colwise into vocabulary-sharded
+    logits for loss parallelism)."""
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput, RowwiseParallel,
+                                                   SequenceParallel, parallelize_module)
 
-    plan = {"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(), "attention.wv": ColwiseParallel(),
-            "attention.wo": RowwiseParallel(), "feed_forward.w1": ColwiseParallel(),
-            "feed_forward.w3": ColwiseParallel(), "feed_forward.w2": RowwiseParallel()}
+    if plan_name == "torchtitan":
+        parallelize_module(model, mesh["tp"], {
+            "tok_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(1)),
+            "pos_embeddings": RowwiseParallel(input_layouts=Replicate(), output_layouts=Shard(0)),  # (T, dim)
+            "norm": SequenceParallel(),
+            "output": ColwiseParallel(input_layouts=Shard(1), output_layouts=Shard(-1), use_local_output=False),
+        })
+        plan = {"attention_norm": SequenceParallel(),
+                "attention": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                "attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
+                "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(output_layouts=Shard(1)),
+                "ffn_norm": SequenceParallel(),
+                "feed_forward": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+                "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+                "feed_forward.w2": RowwiseParallel(output_layouts=Shard(1))}
+    else:
+        plan = {"attention.wq": ColwiseParallel(), "attention.wk": ColwiseParallel(),
+                "attention.wv": ColwiseParallel(), "attention.wo": RowwiseParallel(),
+                "feed_forward.w1": ColwiseParallel(), "feed_forward.w3": ColwiseParallel(),
+                "feed_forward.w2": RowwiseParallel()}
     for layer in model.layers:
         parallelize_module(layer, mesh["tp"], plan)
     for layer in model.layers:
@@ -130,6 +153,9 @@ def main() -> None:
     p.add_argument("--shard", type=int, default=1, help="FSDP2 ranks per host")
     p.add_argument("--tp", type=int, default=2, help="tensor-parallel ranks per host")
     p.add_argument("--mode", default="acco", choices=["acco", "dpu", "sync"])
+    p.add_argument("--plan", default="projections", choices=["projections", "torchtitan"],
+                   help="the tensor-parallel plan: each block's projections, or torchtitan's Llama plan "
+                        "(sequence-parallel norms, loss parallel)")
     p.add_argument("--updates", type=int, default=20)
     p.add_argument("--microbatches", type=int, default=4, help="micro-batches per update on each rank")
     p.add_argument("--batch", type=int, default=8, help="sequences per micro-batch")
@@ -161,7 +187,8 @@ def main() -> None:
     train_bytes, _ = load_corpus(args.data)
     torch.manual_seed(0)  # the same initial weights on every rank
     model = Decoder(256, args.dim, args.layers, args.heads, args.seq_len).to(device)
-    parallelize(model, mesh)
+    parallelize(model, mesh, args.plan)
+    from torch.distributed.tensor.parallel import loss_parallel
     opt = AccoOptimizer(model.parameters(), torch.optim.AdamW, mode=args.mode,
                         microbatches_per_update=args.microbatches, process_group=mesh["dp"], lr=args.lr,
                         betas=(0.9, 0.95), weight_decay=0.1, max_grad_norm=args.max_grad_norm)
@@ -185,10 +212,13 @@ def main() -> None:
         total = 0.0
         for _ in range(args.microbatches):
             x, y = sample_batch(train_bytes, args.batch, args.seq_len, gen)
-            logits = model(x.to(device))
-            loss = F.cross_entropy(logits.flatten(0, 1).float(), y.to(device).flatten())
-            (loss / args.microbatches).backward()
-            total += loss.item() / args.microbatches
+            # torchtitan's plan: vocabulary-sharded logits (a DTensor), their cross-entropy under loss_parallel()
+            with loss_parallel() if args.plan == "torchtitan" else contextlib.nullcontext():
+                logits = model(x.to(device))
+                loss = F.cross_entropy(logits.flatten(0, 1).float(), y.to(device).flatten())
+                (loss / args.microbatches).backward()
+            value = loss.full_tensor() if hasattr(loss, "full_tensor") else loss
+            total += value.item() / args.microbatches
         opt.step()
         opt.zero_grad()
         if dist.get_rank() == 0:
