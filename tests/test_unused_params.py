@@ -263,3 +263,35 @@ def test_accumulate_while_communicating_without_gradients_matches_oracle(mode):
         errs = [rel_err(a, flat_list(b)) for a, b in zip(res[rank]["traj"], ref_steps[rank])]
         assert len(errs) == len(ref_steps[rank]) and max(errs) < TOL, f"rank {rank}: {max(errs):.2e} {counts}"
         assert rel_err(res[rank]["final"], flat_list(ref_final)) < TOL
+
+
+def _whole_tensor_worker(rank: int, world: int, mode: str) -> dict:
+    """Muon (whole tensors, each owned by one rank) for the matrices, AdamW for the rest; head_b used in update 0
+    only, by rank 0."""
+    model = make_gated()
+    matrices = [p for n, p in model.named_parameters() if p.dim() == 2]
+    rest = [p for n, p in model.named_parameters() if p.dim() != 2]
+    opt = AccoOptimizer([{"params": matrices, "optimizer_class": torch.optim.Muon, "lr": 0.02, "momentum": 0.95,
+                          "weight_decay": 0.01}, {"params": rest}], torch.optim.AdamW, mode=mode,
+                        microbatches_per_update=2, lr=1e-2, weight_decay=0.1)
+    committed = []
+    for t in range(4):
+        for j in range(2):
+            g = torch.Generator().manual_seed(1000 * rank + 2 * t + j + 1)
+            x, y = torch.randn(4, 5, generator=g), torch.randn(4, 3, generator=g)
+            (((model(x, t == 0 and rank == 0, False) - y) ** 2).mean() / 2).backward()
+        opt.step()
+        opt.zero_grad()
+        with opt.committed_weights():
+            committed.append({n: p.detach().clone() for n, p in model.named_parameters()})
+    opt.finish()
+    return {n: [float((c[n] - committed[0][n]).abs().max()) for c in committed[1:]] for n in committed[0]}
+
+
+@pytest.mark.parametrize("mode", ["sync", "acco", pytest.param("dpu", marks=pytest.mark.slow)])
+def test_whole_tensor_optimizers_leave_a_parameter_without_gradient(mode):
+    """Muon + AdamW: head_b (a Muon matrix and an AdamW bias) keeps its value once no rank uses it, while the
+    trunk, stepped by the same two optimizers, moves."""
+    for rank, moved in enumerate(run_ranks(_whole_tensor_worker, 2, mode)):
+        assert moved["head_b.weight"] == [0.0] * 3 and moved["head_b.bias"] == [0.0] * 3, (rank, moved)
+        assert min(moved["fc1.weight"]) > 0 and min(moved["fc1.bias"]) > 0, (rank, moved)
