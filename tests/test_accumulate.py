@@ -16,7 +16,7 @@ import torch
 
 from _dist import run_ranks
 from oracle import reference_run
-from tinynet import flat, flat_list, grad_fn, loss_fn, make_model, rel_err
+from tinynet import elastic_run, flat, flat_list, grad_fn, loss_fn, make_model, rel_err
 
 from acco import AccoOptimizer
 
@@ -31,19 +31,13 @@ def _accumulate_worker(rank: int, world: int, mode: str, max_mb, c: float = 1.0)
     opt = AccoOptimizer(model.parameters(), mode=mode, accumulate_while_communicating=True, min_microbatches=1,
                         max_microbatches=max_mb, estimate_dtype=None,  # the oracle's exact estimate
                         estimate_extrapolation=c, **KW)
-    counts, traj, mb, since = [], [], 0, 0
-    while opt.num_rounds < ROUNDS:  # every rank hands off exactly ROUNDS rounds
+
+    def micro_batch(mb: int) -> None:
         if rank == 1:
             time.sleep(SLOW_SECONDS)  # the slow rank
         loss_fn(model, rank, mb).backward()
-        before = opt.num_rounds
-        opt.step()
-        opt.zero_grad()
-        mb, since = mb + 1, since + 1
-        if opt.num_rounds > before:
-            counts.append(since)
-            since = 0
-        traj.append(flat(model))
+
+    counts, traj = elastic_run(opt, ROUNDS, micro_batch, lambda: flat(model))
     opt.finish()
     return {"counts": counts, "traj": torch.stack(traj), "final": flat(model), "theta0": theta0}
 

@@ -15,7 +15,10 @@ import torch
 
 from _dist import run_ranks
 from oracle import reference_run
-from test_mesh import MLP, _batch, _tp_model
+from test_mesh import M, _tp_model
+from test_mesh import _grad_fn as mesh_grad_fn
+from test_mesh import _loss as mesh_loss
+from tinynet import elastic_run
 
 from acco import AccoOptimizer
 
@@ -25,17 +28,12 @@ KW = dict(lr=2e-2, betas=(0.9, 0.95), weight_decay=0.1)
 
 
 def _loss(model, host: int, index: int) -> torch.Tensor:
-    x, y = _batch(host, index)
-    return ((model(x) - y) ** 2).mean()
+    """A micro-batch's own loss (test_mesh's divides by its M, a power of two: undone exactly)."""
+    return mesh_loss(model, host, index) * M
 
 
 def _grad_fn(host: int, index: int, weights):
-    model = MLP()
-    with torch.no_grad():
-        for p, w in zip(model.parameters(), weights):
-            p.copy_(w)
-    _loss(model, host, index).backward()
-    return [p.grad.detach().clone() for p in model.parameters()]
+    return [g * M for g in mesh_grad_fn(host, index, weights)]
 
 
 def _full(p: torch.Tensor) -> torch.Tensor:
@@ -60,21 +58,16 @@ def _worker(rank: int, world: int, mode: str, slow_tp_rank: int) -> dict:
     model, theta0 = _tp_model(mesh["tp"])
     opt = AccoOptimizer(model.parameters(), torch.optim.AdamW, mode=mode, accumulate_while_communicating=True,
                         max_microbatches=None, process_group=mesh["dp"], estimate_dtype=None, **KW)
-    counts, traj, mb, since = [], [], 0, 0
-    while opt.num_rounds < ROUNDS:
+
+    def micro_batch(mb: int) -> None:
         # host 1 is the slow one; and one shard's rounds end later than its peer's: only an agreed hand-off
         # keeps a host's two shards on one update
         if host == 1:
             time.sleep(0.03)
         _loss(model, host, mb).backward()
-        before = opt.num_rounds
-        opt.step()
-        opt.zero_grad()
-        mb, since = mb + 1, since + 1
-        if opt.num_rounds > before:
-            counts.append(since)
-            since = 0
-        traj.append([_full(p).detach().clone() for p in model.parameters()])
+
+    counts, traj = elastic_run(opt, ROUNDS, micro_batch,
+                               lambda: [_full(p).detach().clone() for p in model.parameters()])
     opt.finish()
     final = [_full(p).detach().clone() for p in model.parameters()]
     return {"host": host, "counts": counts, "traj": traj, "final": final, "theta0": theta0}

@@ -18,7 +18,7 @@ from torch import nn
 
 from _dist import run_ranks
 from oracle import reference_run, update_run
-from tinynet import flat, flat_list, rel_err
+from tinynet import elastic_run, flat, flat_list, rel_err
 
 from acco import AccoOptimizer
 
@@ -232,21 +232,15 @@ def _elastic_worker(rank: int, world: int, mode: str) -> dict:
     theta0 = [p.detach().clone() for p in model.parameters()]
     opt = AccoOptimizer(model.parameters(), mode=mode, accumulate_while_communicating=True, max_microbatches=3,
                         estimate_dtype=None, lr=1e-2, weight_decay=0.1)
-    counts, traj, mb, since = [], [], 0, 0
-    while opt.num_rounds < ELASTIC_ROUNDS:
+
+    def micro_batch(mb: int) -> None:
         if rank == 1:
             time.sleep(0.05)  # the slow rank: the fast one accumulates more per round
         if mb == ELASTIC_FREEZE:
             model.fc1.bias.requires_grad_(False)
         elastic_loss(model, rank, mb).backward()
-        before = opt.num_rounds
-        opt.step()
-        opt.zero_grad()
-        mb, since = mb + 1, since + 1
-        if opt.num_rounds > before:
-            counts.append(since)
-            since = 0
-        traj.append(flat(model))
+
+    counts, traj = elastic_run(opt, ELASTIC_ROUNDS, micro_batch, lambda: flat(model))
     opt.finish()
     return {"counts": counts, "traj": torch.stack(traj), "final": flat(model), "theta0": theta0}
 

@@ -84,3 +84,21 @@ def master_of(opt) -> torch.Tensor:
     """This rank's fp32 master weights from ``opt.state_dict()``: its pieces end to end, in parameter order."""
     pieces = opt.state_dict()["master"]
     return torch.cat([pieces[k] for k in sorted(pieces, key=lambda k: tuple(int(x) for x in k.split(":")))])
+
+
+def elastic_run(opt, rounds: int, micro_batch, snapshot):
+    """The tests' loop for ``accumulate_while_communicating``: ``micro_batch(mb)`` runs micro-batch ``mb``'s
+    forward and backward, then ``step()`` and ``zero_grad()``, until ``rounds`` rounds are handed off. Returns the
+    micro-batches of each hand-off (what the oracle is fed) and ``snapshot()`` after every ``step()``."""
+    counts, traj, mb, since = [], [], 0, 0
+    while opt.num_rounds < rounds:  # every rank hands off exactly ``rounds`` rounds
+        micro_batch(mb)
+        before = opt.num_rounds
+        opt.step()
+        opt.zero_grad()
+        mb, since = mb + 1, since + 1
+        if opt.num_rounds > before:
+            counts.append(since)
+            since = 0
+        traj.append(snapshot())
+    return counts, traj
