@@ -172,6 +172,7 @@ def main() -> None:
     args = p.parse_args()
 
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor.parallel import loss_parallel
 
     cuda = torch.cuda.is_available()
     if cuda:
@@ -188,7 +189,6 @@ def main() -> None:
     torch.manual_seed(0)  # the same initial weights on every rank
     model = Decoder(256, args.dim, args.layers, args.heads, args.seq_len).to(device)
     parallelize(model, mesh, args.plan)
-    from torch.distributed.tensor.parallel import loss_parallel
     opt = AccoOptimizer(model.parameters(), torch.optim.AdamW, mode=args.mode,
                         microbatches_per_update=args.microbatches, process_group=mesh["dp"], lr=args.lr,
                         betas=(0.9, 0.95), weight_decay=0.1, max_grad_norm=args.max_grad_norm)

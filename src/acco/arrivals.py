@@ -97,8 +97,8 @@ class Arrivals:
         """At a hand-off: the parameters *without* a gradient in the round's sum. A commit's sum leaves the
         accumulation, so its arrivals go with it; an estimate's count again in the commit."""
         self.fold()
-        missing = frozenset(i for i in range(self.n) if i not in self.arrived) if len(self.arrived) < self.n \
-            else frozenset()
+        # the usual case, every parameter's gradient in: no set of all of them built on the hand-off's path
+        missing = frozenset() if len(self.arrived) == self.n else frozenset(range(self.n)) - self.arrived
         if commit:
             self.arrived.clear()
         return missing

@@ -92,8 +92,8 @@ def estimate_into(
         # A group's pieces share its hyper-parameters, and they step together (each has a .grad, a view of the
         # gradient slice) under one step count, unless some skipped a step (no gradient, ``.grad`` None: they
         # are left as they are, as torch's step leaves them). Pieces are batched by step count: a host-side
-        # count is read per piece; a device-side one is taken from the first piece with state, and where
-        # ``counts_differ`` each piece is its own batch (no host read of the device's counts).
+        # count is read per piece; device-side counts are taken as one, and where ``counts_differ`` each piece
+        # is its own batch (no host read of the device's counts).
         batches: Dict[Any, Tuple[Any, List[List[torch.Tensor]], List[List[torch.Tensor]]]] = {}
         skipped: List[Tuple[int, torch.Tensor]] = []
         for p in group["params"]:
@@ -106,13 +106,13 @@ def estimate_into(
             state = optimizer.state.get(p, {})
             moments = [state[k].reshape(-1) for k in keys if state.get(k) is not None]
             step = state.get("step")
-            if step is None or _device_count(step, group):
-                key = id(p) if counts_differ and step is not None else "device"
+            if step is None:  # no count (SGD, or before the first step)
+                key = None
+            elif _device_count(step, group):
+                key = id(p) if counts_differ else "device"
             else:
                 key = float(step)
-            entry = batches.setdefault(key, (step, [], []))
-            if entry[0] is None and step is not None:
-                entry = batches[key] = (step, entry[1], entry[2])
+            entry = batches.setdefault(key, (step, [], []))  # every piece of a batch has this count
             row = [out[start : start + p.numel()], p.reshape(-1), p.grad.reshape(-1), *moments]
             (entry[1] if len(moments) == len(keys) else entry[2]).append(row)
         for start, p in skipped:
