@@ -482,9 +482,10 @@ def check_dtypes(param_dtype: torch.dtype, compute_dtype: Optional[torch.dtype])
         raise TypeError(f"compute_dtype must be a floating dtype such as torch.bfloat16, got {compute_dtype}")
     if torch.float16 in (param_dtype, compute_dtype):
         raise TypeError(
-            "float16 parameters/compute_dtype are not supported: fp16 training needs dynamic loss scaling "
-            "(skipping steps all ranks agree on), which AccoOptimizer does not do, so small gradients would "
-            "silently underflow. Use compute_dtype=torch.bfloat16 (same memory, fp32's range), or fp32"
+            "float16 parameters/compute_dtype are not supported (torch's GradScaler refuses fp16 gradients too). "
+            "For fp16, keep the parameters fp32 and train under torch.autocast(dtype=torch.float16) with "
+            "torch.amp.GradScaler (loss scaling: AccoOptimizer unscales the averaged gradient); or use "
+            "compute_dtype=torch.bfloat16 (same memory, fp32's range, no loss scaling)"
         )
 
 

@@ -360,6 +360,8 @@ def _target(optimizer: "AccoOptimizer", meta: Dict[str, Any], meta_keys, info, p
                            "hyper": {k: torch.zeros(shape, dtype=torch.float64) for k, shape in hyper.items()},
                            "counters": torch.zeros(len(Progress.SAVED), dtype=torch.int64),
                            "meta": _meta_template(meta_keys)}
+    if pre + "loss_scale" in meta:
+        out["loss_scale"] = torch.zeros((), dtype=torch.float64)
     for i, a in wanted(layout, rank, saved):
         key = f"{i}:{a}"
         for section in ("master", "params", "entries"):

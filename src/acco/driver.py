@@ -66,9 +66,9 @@ class RoundDriver:
     # ------------------------------------------------------------ hand-off
 
     def handoff(self, kind: RoundKind, local_microbatches: int, grad_scale: Optional[float],
-                delay_correction: float = 0.0) -> None:
+                delay_correction: float = 0.0, unscale: Optional[torch.Tensor] = None) -> None:
         """Start round ``kind`` on the gradients accumulated so far, with ``progress.update_hyper``
-        (``delay_correction``: the error feedback's ``c`` for this commit, 0 for none)."""
+        (``delay_correction``: the error feedback's ``c`` for this commit, 0 for none; ``unscale``: 1/loss scale)."""
         self.collect()
         # Round k's hand-off first reads round k-2's report: every rank raises a device-found error at the same
         # hand-off, before issuing round k, so no rank is left in a collective its peers never issue.
@@ -79,13 +79,15 @@ class RoundDriver:
         spec = RoundSpec(
             kind, local_microbatches, grad_scale, hyper, hyper_fingerprint(hyper),
             2 * self.progress.num_rounds + int(kind is RoundKind.ESTIMATE),  # the same on every rank, or all raise
-            delay_correction, missing,
+            delay_correction, missing, unscale,
         )
         self.progress.num_rounds += 1
         if kind is RoundKind.COMMIT:
             self.progress.commits_handed_off += 1
         ctx = replace(self.ctx)  # as of this hand-off (release_group() may clear the group later)
-        self.scheduler.submit(lambda: run_round(ctx, spec), uses=self._uses(hyper))
+        # CUDA: the side stream reads ``unscale`` (made on the compute stream): recorded for it, with the rest.
+        uses = self._uses(hyper) + ([unscale] if unscale is not None and self.scheduler.uses_streams else [])
+        self.scheduler.submit(lambda: run_round(ctx, spec), uses=uses)
 
     def _uses(self, hyper: List[Dict[str, Any]]) -> List[torch.Tensor]:
         """CUDA path: what the side stream will touch that other streams may have allocated."""

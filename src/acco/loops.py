@@ -48,6 +48,7 @@ class LoopContext:
     param_groups: List[Dict[str, Any]]  # the optimizer's live groups: each hand-off takes their values then
     lr_schedulers: List[Any]  # attached schedulers, stepped at each commit (the optimizer's list, shared)
     model_buffers: List[torch.Tensor]  # buffers= : the first rank's, at each commit
+    loss_scale: Any  # what the optimizer knows of a GradScaler (amp.LossScale): the rounds' 1/scale
 
 
 def after_handoff(c: LoopContext, kind: RoundKind, synchronous: bool) -> None:
@@ -82,7 +83,8 @@ class UpdateLoop:
                 and p.commits_handed_off >= c.options.synchronous_updates):
             c.session.check_open()
             p.update_hyper = snapshot_hyperparams(c.param_groups)  # both rounds of one update use the same
-            c.driver.handoff(RoundKind.ESTIMATE, p.mb_in_update, m / (p.mb_in_update * c.world_size))
+            c.driver.handoff(RoundKind.ESTIMATE, p.mb_in_update, m / (p.mb_in_update * c.world_size),
+                             unscale=c.loss_scale.for_estimate())
             p.estimate_in_update = True
 
     def estimate_at(self, m: int) -> int:
@@ -104,8 +106,9 @@ class UpdateLoop:
         p.mb_in_update = 0
         p.at_boundary = True
 
-    def step(self) -> None:
-        """Hand off the update's commit round (synchronously when there is nothing to overlap it with)."""
+    def step(self, grad_scaler: Any = None) -> None:
+        """Hand off the update's commit round (synchronously when there is nothing to overlap it with).
+        ``grad_scaler``: the ``GradScaler`` driving this step (``amp.py``)."""
         c, p = self.ctx, self.ctx.progress
         m = p.mb_in_update
         if m == 0:
@@ -116,7 +119,15 @@ class UpdateLoop:
                 "type, load_state_dict(assign=True), ...): build the optimizer after moving the model"
             )
         c.flat.check_untouched(c.options.clip_hint)
+        # Collective with a scaler (inf/NaN on any rank, for its update()).
+        unscale, same_scale = c.loss_scale.for_commit(grad_scaler, c.flat.accum, c.session.group, p.estimate_in_update)
         synchronous = c.options.synchronous or p.commits_handed_off < c.options.synchronous_updates
+        if not same_scale:
+            # The estimate went out unscaled by another scale (the first scaled update of a run): its theta~
+            # is not the paper's; the update runs synchronously and the model holds its committed weights.
+            log.info("acco: update %d runs synchronously: its estimate was handed off before the loss scale "
+                     "in use was known (GradScaler)", p.commits_handed_off)
+            synchronous = True
         if c.options.estimates and p.microbatches_per_update is None:
             self._learn_microbatches(m)
             synchronous = True
@@ -131,7 +142,8 @@ class UpdateLoop:
         if not p.estimate_in_update:
             p.update_hyper = snapshot_hyperparams(c.param_groups)
         # The error feedback corrects a step taken from a stale gradient: not a synchronous update's.
-        c.driver.handoff(RoundKind.COMMIT, m, 1.0 / c.world_size, 0.0 if synchronous else c.options.delay_correction)
+        c.driver.handoff(RoundKind.COMMIT, m, 1.0 / c.world_size, 0.0 if synchronous else c.options.delay_correction,
+                         unscale)
         p.mb_in_update = 0
         p.estimate_in_update = False
         after_handoff(c, RoundKind.COMMIT, synchronous)
@@ -168,8 +180,14 @@ class ElasticLoop:
         """The micro-batch's ``.grad`` only: what ``step()`` folded belongs to the library and is kept."""
         self.ctx.flat.zero_grads(update_loop=False)
 
-    def step(self) -> None:
-        """Fold this micro-batch in; hand off a round if one can start."""
+    def step(self, grad_scaler: Any = None) -> None:
+        """Fold this micro-batch in; hand off a round if one can start (loss scaling is refused: it would
+        change the scale between the micro-batches of one sum)."""
+        if grad_scaler is not None:
+            raise NotImplementedError(
+                "AccoOptimizer(accumulate_while_communicating=True) with a GradScaler: the scaler's update() after "
+                "every micro-batch would sum micro-batches of different scales into one round. Train in bf16 "
+                "(no loss scaling), or use the default loop (backward() on each micro-batch, one step() per update)")
         c, p = self.ctx, self.ctx.progress
         c.flat.fold(c.options.clip_hint)
         p.at_boundary = False

@@ -41,6 +41,7 @@ from .state import io as state_io
 from . import ddp as _ddp
 from . import hooks, mesh
 from .agreement import hyper_fingerprint
+from .amp import LossScale
 from .buffers import FlatBuffers
 from .collectives import connect, group_rank, group_size, new_local_group, new_round_group, ring_algorithm
 from .driver import RoundDriver
@@ -192,6 +193,10 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
 
     HISTORY_LIMIT = RoundDriver.HISTORY_LIMIT  # rounds kept for round_stats()
     EVENTS_KEPT = RoundDriver.EVENTS_KEPT  # CUDA: rounds whose events are held before they are settled
+
+    # torch.amp.GradScaler.step(opt) leaves .grad alone and hands itself to step(grad_scaler=...): the round
+    # unscales the averaged gradient (amp.py).
+    _step_supports_amp_scaling = True
 
     # The constructor's arguments as resolved (``self.options``, frozen): what every part of the optimizer reads.
     mode = _option("mode")
@@ -348,10 +353,12 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         self._ddp_checked = False
         self._lr_schedulers: List[Any] = []  # attached with attach_lr_scheduler(): stepped at each commit
         self._backward_queued = -1  # id of the autograd graph task whose end-of-backward callback is queued
+        self._loss_scale = LossScale(device, id(self))  # a GradScaler's part (amp.py): rounds unscale
         self._owners = StateOwners(
             layout=self.layout, rank=self.rank, world_size=self.world_size, flat=self._flat, wrapped=self._wrapped,
             progress=self._progress, driver=self._driver, scheduler=self.scheduler, param_groups=self.param_groups,
             describe=self._describe(), session=self._session, process_group=self._group, estimate_microbatches=o.estimate_microbatches,
+            loss_scale=self._loss_scale,
         )
         round_done = self.scheduler.done
         if model_ranks is not None and o.accumulate_while_communicating:  # a model's shards hand off together
@@ -360,6 +367,7 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
             options=o, world_size=self.world_size, progress=self._progress,
             driver=self._driver, flat=self._flat, round_done=round_done, session=self._session,
             param_groups=self.param_groups, lr_schedulers=self._lr_schedulers, model_buffers=self._model_buffers,
+            loss_scale=self._loss_scale,
         )
         self._loop = ElasticLoop(loop) if o.accumulate_while_communicating else UpdateLoop(loop)
         self._constructed = True  # add_param_group() from here on would change the layout: refused
@@ -517,7 +525,7 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
 
     # ------------------------------------------------------------------ step
 
-    def step(self, closure: Optional[Callable[[], Any]] = None) -> Any:
+    def step(self, closure: Optional[Callable[[], Any]] = None, grad_scaler: Any = None) -> Any:
         """One optimizer update from the micro-batches' gradients since the last ``step()``.
 
         Hands the update's commit round off and returns; the round runs while
@@ -526,9 +534,21 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         acco: the estimate ``theta~``; see :meth:`committed_weights`).
         With ``accumulate_while_communicating``: call it after every
         micro-batch; it hands off a round only when one can start.
+        ``grad_scaler``: given by ``torch.amp.GradScaler.step(opt)`` (this optimizer handles loss scaling itself,
+        ``_step_supports_amp_scaling``): the round unscales the averaged gradient, and the scaler's inf/NaN
+        check is agreed by all ranks (``acco/amp.py``); leave out ``scaler.unscale_(opt)``.
         Collective: call on all ranks.
         """
         self._session.check_open()
+        if grad_scaler is not None:
+            self._check_loss_scaling()
+        elif "grad_scale" in self.__dict__ or "found_inf" in self.__dict__:
+            # A GradScaler that no longer hands itself to step(): the gradients would be used scaled.
+            raise RuntimeError(
+                "AccoOptimizer.step(): this torch's GradScaler set optimizer.grad_scale/found_inf instead of passing "
+                "grad_scaler= to step(), a protocol acco does not support yet (its rounds unscale the averaged "
+                f"gradient; torch {torch.__version__}). Train in bf16 without a GradScaler, or use a torch acco "
+                "was tested with (docs/usage.md)")
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -537,8 +557,19 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         if self._shards.any:
             mesh.refuse_grad_outside_autograd(self._shards)
             mesh.warn_short_update(self.mode, self._progress.mb_in_update, self._progress.microbatches_per_update)
-        self._loop.step()
+        self._loop.step(grad_scaler)
         return loss
+
+    def _check_loss_scaling(self) -> None:
+        """Refuse what a GradScaler cannot drive (the same on every rank: before any collective)."""
+        if self._shards.any:
+            raise NotImplementedError(
+                "AccoOptimizer with a GradScaler on DTensor parameters (FSDP2, tensor parallelism) is not supported "
+                "yet: train in bf16 (no loss scaling; torchtitan's default), or without DTensor parameters")
+        if self.options.nonfinite == "raise":
+            raise ValueError(
+                "AccoOptimizer(nonfinite='raise') with a GradScaler: the scaler expects an update whose gradient is "
+                "not finite to be skipped (then it lowers the scale). Build it with nonfinite='skip' (the default)")
 
     # ------------------------------------------------------------------ the committed weights, the end
 

@@ -151,6 +151,7 @@ class RoundSpec:
     round_id: int = 0  # 2 * rounds handed off + (1 if estimate): all ranks must agree
     delay_correction: float = 0.0  # c of the error feedback on this commit's step (mode dpu, a delayed update)
     missing: FrozenSet[int] = frozenset()  # parameters without a gradient in this rank's sum (arrivals.py)
+    unscale: Optional[torch.Tensor] = None  # 1/loss scale (a GradScaler's, amp.py), 0-d on the device; None: 1
 
 
 @dataclass
@@ -324,6 +325,8 @@ def _reduce_gradients(ctx: RoundContext, spec: RoundSpec) -> bool:
         b.grad.div_(b.count)  # the mean over all micro-batches of all ranks
     else:
         b.grad.mul_(spec.grad_scale)
+    if spec.unscale is not None:
+        b.grad.mul_(spec.unscale)  # the loss scale out, after the sum (as DDP's scaler unscales the average)
     return low
 
 

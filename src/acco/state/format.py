@@ -12,6 +12,8 @@ never ``id(p)``::
     entries/i:a       how many state entries the piece has (a load target that lists fewer is refused)
     hyper/G.K         numeric hyper-parameter K of param group G (lr, betas, ...)
     counters          the saved progress (``progress.Progress.SAVED``, in that order)
+    loss_scale        the GradScaler's scale for the next update (fp64, 0-d), where one drives the optimizer
+                      (mode acco's first estimate after a load unscales by it)
 
 and what it is: ``acco`` (``opt.state_dict()``: format, mode, wrapped
 optimizer(s), layout, dtypes, and the rank and world size it was taken on) or
@@ -67,6 +69,7 @@ class StateOwners:
     session: Any  # the agreement exchange, the collectives' group, the committed-weights view (session.py)
     process_group: Any
     estimate_microbatches: Optional[int] = None  # the option, checked against a loaded microbatches_per_update
+    loss_scale: Any = None  # what the optimizer knows of a GradScaler (amp.LossScale): its scale is saved
 
 
 def piece_key(index: int, start: int) -> str:

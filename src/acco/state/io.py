@@ -62,6 +62,9 @@ def state_dict(owners: StateOwners, sharded: bool = False) -> Dict[str, Any]:
     owners.driver.read_reports()  # CUDA path: the skip counter is final only once the device has run the rounds
     out: Dict[str, Any] = {**entries(owners), "hyper": hyper_entries(owners.param_groups),
                            "counters": owners.progress.to_tensor()}
+    scale = owners.loss_scale.scale_to_save() if owners.loss_scale is not None else None
+    if scale is not None:
+        out["loss_scale"] = torch.tensor(scale, dtype=torch.float64)
     if sharded:
         out["meta"] = encode_meta(owners.describe)
     else:
@@ -222,3 +225,5 @@ def load_state_dict(owners: StateOwners, sd: Dict[str, Any], checked: bool = Fal
     flat.reset()
     restore_hyper(owners.param_groups, sd["hyper"])
     owners.progress.update_hyper = snapshot_hyperparams(owners.param_groups)
+    if owners.loss_scale is not None:
+        owners.loss_scale.load(float(sd["loss_scale"]) if "loss_scale" in sd else None)
