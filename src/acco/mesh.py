@@ -60,8 +60,10 @@ class LocalShards:
     """The user's parameters, and the plain tensor ACCO works on for each: a DTensor's local shard (the same
     storage, so writes into it are the DTensor's), or the plain parameter itself."""
 
-    def __init__(self, params: Sequence[torch.Tensor]) -> None:
+    def __init__(self, params: Sequence[torch.Tensor], streams: Any = None) -> None:
         self.params = list(params)
+        self._streams = streams  # the device's stream API (device_api.py); None on CPU
+        self._hook_streams: List[Any] = []  # CUDA: the streams take_grad wrote the buffer on since the last wait
         self.sharded = [is_dtensor(p) for p in self.params]
         self.any = any(self.sharded)
         self.locals: List[torch.Tensor] = [p._local_tensor if s else p for p, s in zip(self.params, self.sharded)]
@@ -97,6 +99,24 @@ class LocalShards:
         else:
             local.grad.add_(grad)
         p.grad = None
+        if self._streams is not None:
+            # FSDP2 runs this hook on its post-reduce stream, and waits for that stream at the end of backward
+            # only when the backward is the last (set_is_last_backward): the buffer's readers wait instead.
+            stream = self._streams.current_stream()
+            if not any(stream == s for s in self._hook_streams):
+                self._hook_streams.append(stream)
+
+    def order_grads(self) -> None:
+        """CUDA: make the current (compute) stream wait for the streams ``take_grad`` added gradients on (FSDP2's
+        post-reduce stream) since the last call, before anything reads the buffer: the estimate's hand-off at the
+        end of a backward, ``step()``'s fold or commit."""
+        if not self._hook_streams:
+            return
+        current = self._streams.current_stream()
+        for stream in self._hook_streams:
+            if not stream == current:
+                current.wait_stream(stream)  # stream hand-off: the hooks' adds into the buffer, then its readers
+        self._hook_streams.clear()
 
     def shard_name(self) -> Optional[str]:
         """This rank's model shard, by its place in the model group (``"shard1"``):

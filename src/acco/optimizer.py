@@ -35,7 +35,7 @@ import torch
 import torch.distributed as dist
 
 from . import _validation as V
-from . import agreement
+from . import agreement, device_api
 from .state import consolidated as state_consolidated
 from .state import io as state_io
 from . import ddp as _ddp
@@ -261,7 +261,7 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         self._params: List[torch.Tensor] = [p for g in self.param_groups for p in g["params"]]
         V.check_params(self._params, compute_dtype)
         # DTensor parameters (tensor parallel): ACCO works on each rank's local shards (the same storage).
-        self._shards = LocalShards(self._params)
+        self._shards = LocalShards(self._params, device_api.stream_api(self._params[0].device))
         local = self._shards.locals
         V.check_dtypes(self._params[0].dtype, compute_dtype)
         self._classes = classes
@@ -508,6 +508,7 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
     def _after_backward(self) -> None:
         """A micro-batch's backward has finished (one step() per update); the loop may hand off the estimate."""
         self._check_ddp_once()  # before any round (an estimate may go next); DDP's own end-of-backward is done
+        self._shards.order_grads()  # FSDP2's post-reduce stream wrote the buffer: waited for before it is read
         self._flat.binding.mark_backward_end()
         self._loop.after_backward()
 
@@ -555,6 +556,7 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
                 loss = closure()
         self._check_ddp_once()
         if self._shards.any:
+            self._shards.order_grads()
             mesh.refuse_grad_outside_autograd(self._shards)
             mesh.warn_short_update(self.mode, self._progress.mb_in_update, self._progress.microbatches_per_update)
         self._loop.step(grad_scaler)
