@@ -121,3 +121,29 @@ def test_scheduler_built_after_loading_state_resumes_like_adamw():
                 o.finish()
     assert runs["acco"] == runs["adamw"], runs
     assert runs["acco"][0] == KW["lr"]
+
+
+def test_a_plain_optimizer_given_an_acco_state_dict_names_consolidated_state_dict(tmp_path):
+    """In memory: torch's load_state_dict says what to do. Through torch.save / torch.load(weights_only=True)
+    the state dict is a plain OrderedDict (nothing of acco is needed to read it back), and torch's KeyError is left."""
+    import pickle
+
+    model = make_model()
+    opt = AccoOptimizer(model.parameters(), mode="sync", **KW)
+    _train(opt, model, 2)
+    sd = opt.state_dict()
+    plain = torch.optim.AdamW(model.parameters(), **KW)
+    with pytest.raises(KeyError, match=r"AccoOptimizer's state dict.*consolidated_state_dict\(\)"):
+        plain.load_state_dict(sd)
+    path = tmp_path / "opt.pt"
+    torch.save(sd, path)
+    back = torch.load(path, weights_only=True)
+    from collections import OrderedDict
+
+    assert type(back) is OrderedDict and type(pickle.loads(pickle.dumps(sd))) is OrderedDict
+    assert back.keys() == sd.keys()
+    with pytest.raises(KeyError, match="param_groups"):
+        plain.load_state_dict(back)
+    opt.load_state_dict(back)  # still an AccoOptimizer's to load
+    plain.load_state_dict(opt.consolidated_state_dict())  # the fix the message names
+    opt.finish()

@@ -27,6 +27,7 @@ by :mod:`acco.state.legacy`.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional
 
@@ -34,7 +35,7 @@ import torch
 
 from ..errors import ShardOfAnotherRankError
 
-__all__ = ["FORMAT_VERSION", "GATHERED", "ShardOfAnotherRankError", "SHARD_FIX", "IMPLEMENTATION_FLAGS", "StateOwners", "check_compatible", "classify",
+__all__ = ["AccoStateDict", "FORMAT_VERSION", "GATHERED", "ShardOfAnotherRankError", "SHARD_FIX", "IMPLEMENTATION_FLAGS", "StateOwners", "check_compatible", "classify",
            "decode_meta", "encode_meta", "hyper_entries", "own_entry", "piece_key", "parse_piece_key",
            "restore_hyper"]
 
@@ -70,6 +71,40 @@ class StateOwners:
     process_group: Any
     estimate_microbatches: Optional[int] = None  # the option, checked against a loaded microbatches_per_update
     loss_scale: Any = None  # what the optimizer knows of a GradScaler (amp.LossScale): its scale is saved
+
+
+NOT_A_TORCH_STATE = (
+    "this is an AccoOptimizer's state dict (one rank's shard, keyed by parameter pieces), not a torch optimizer's: "
+    "it has no 'param_groups'. To go on with a plain torch optimizer, take opt.consolidated_state_dict() on every "
+    "rank (the wrapped optimizer's own format, every parameter's full state) and load that; to resume an "
+    "AccoOptimizer, load it with AccoOptimizer.load_state_dict (docs/checkpointing.md)"
+)
+
+
+class _NotATorchState(KeyError):
+    """A torch optimizer's ``load_state_dict`` asked an AccoOptimizer state dict for ``'param_groups'``."""
+
+    def __str__(self) -> str:
+        return NOT_A_TORCH_STATE
+
+
+class AccoStateDict(dict):
+    """What ``opt.state_dict()`` returns: a plain mapping to ``torch.save`` (pickled as an ``OrderedDict``, as a
+    module's state dict is, so ``torch.load`` with ``weights_only=True`` reads it anywhere, without acco), which, handed in memory to a torch optimizer's ``load_state_dict``
+    (it reads ``'param_groups'`` first, from a shallow ``copy()``), says what to do instead of a bare
+    ``KeyError``. A file read back is a plain OrderedDict: torch then raises ``KeyError: 'param_groups'``."""
+
+    def __missing__(self, key: Any) -> Any:
+        if key == "param_groups":
+            raise _NotATorchState(key)
+        raise KeyError(key)
+
+    def copy(self) -> "AccoStateDict":
+        return AccoStateDict(self)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        # As a module's state dict pickles (an OrderedDict is one of weights_only's allowed globals; dict is not)
+        return (OrderedDict, (), None, None, iter(self.items()))
 
 
 def piece_key(index: int, start: int) -> str:

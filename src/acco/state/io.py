@@ -18,6 +18,7 @@ from .checksums import checksums, verify
 from ..errors import CheckpointError, RanksDisagreeError
 from ..progress import Progress
 from .format import (
+    AccoStateDict,
     SHARD_FIX,
     ShardOfAnotherRankError,
     StateOwners,
@@ -71,7 +72,7 @@ def state_dict(owners: StateOwners, sharded: bool = False) -> Dict[str, Any]:
         info = {**owners.describe, "rank": owners.rank, "world_size": owners.world_size}
         out["checksums"] = checksums(_covered(out, info))
         out["acco"] = info
-    return out
+    return AccoStateDict(out)
 
 
 def _file_rank(sd: Any) -> int:
