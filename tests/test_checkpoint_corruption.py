@@ -34,8 +34,8 @@ def _train(model, opt, updates, seed):
 
 def _everything(model, opt):
     st = opt.local_optimizer.state
-    return ([t.detach().clone() for t in model.state_dict().values()] + [opt._flat.master.clone()]
-            + [v.clone() for _, t in opt._wrapped.held() for v in st.get(t, {}).values() if torch.is_tensor(v)]
+    return ([t.detach().clone() for t in model.state_dict().values()] + [opt.runtime.flat.master.clone()]
+            + [v.clone() for _, t in opt.runtime.wrapped.held() for v in st.get(t, {}).values() if torch.is_tensor(v)]
             + [torch.tensor([opt.num_rounds, opt.num_updates, opt.next_update_index])])
 
 
@@ -50,7 +50,7 @@ def saved(tmp_path):
     _train(model, opt, 3, seed=1)
     with opt.committed_weights():
         acco.checkpoint.save(str(tmp_path / "ckpt"), opt, model=model)
-    master = opt._flat.master[: opt.layout.numel].clone()
+    master = opt.runtime.flat.master[: opt.layout.numel].clone()
     opt.finish()
     return tmp_path / "ckpt", master
 
@@ -112,7 +112,7 @@ def test_undamaged_checkpoint_loads(saved):
     path, master = saved
     model, opt = _victim()
     acco.checkpoint.load(str(path), opt, model=model)
-    assert torch.equal(opt._flat.master[: opt.layout.numel], master)
+    assert torch.equal(opt.runtime.flat.master[: opt.layout.numel], master)
     opt.finish()
 
 

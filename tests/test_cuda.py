@@ -78,7 +78,7 @@ def test_cuda_nccl_one_rank_bf16():
                 ((model(x.bfloat16()).float() - y) ** 2).mean().backward()
                 opt.step()
             opt.finish()
-            master = opt._flat.master[: opt.layout.numel]
+            master = opt.runtime.flat.master[: opt.layout.numel]
             assert master.dtype == torch.float32
             assert torch.equal(flat(model), master.to(torch.bfloat16).to(torch.float64))
         finally:

@@ -183,7 +183,7 @@ def test_committed_weights_block_refuses_training():
 
 
 def _state(opt, model):
-    return flat(model), opt._flat.master.clone(), opt.num_updates
+    return flat(model), opt.runtime.flat.master.clone(), opt.num_updates
 
 
 @pytest.mark.parametrize("case", ["mode", "optimizer", "model", "plain adamw", "garbage"])
@@ -251,7 +251,7 @@ def _rank_worker(rank: int, world: int, fresh_model: bool = False) -> dict:
     if fresh_model and rank == 0:  # as in a fresh process whose model was not loaded: rank 0 also refuses that
         with torch.no_grad():
             next(model.parameters()).add_(1.0)
-    before = flat(model).clone(), opt._flat.master.clone()
+    before = flat(model).clone(), opt.runtime.flat.master.clone()
     out = {"rank": rank}
     try:
         opt.load_state_dict(objs[0])
@@ -259,7 +259,7 @@ def _rank_worker(rank: int, world: int, fresh_model: bool = False) -> dict:
     except RuntimeError as exc:  # the ranks disagree: a RuntimeError, as torch.distributed's errors
         assert isinstance(exc, ValueError), type(exc)  # and still the ValueError it always was
         out["error"] = str(exc)
-    out["unchanged"] = torch.equal(before[0], flat(model)) and torch.equal(before[1], opt._flat.master)
+    out["unchanged"] = torch.equal(before[0], flat(model)) and torch.equal(before[1], opt.runtime.flat.master)
     full = opt.consolidated_state_dict()
     opt.finish()
     after = opt.consolidated_state_dict()  # the documented way out still works after finish()
@@ -418,6 +418,6 @@ def test_default_loop_holds_no_separate_grad_buffer():
     rep = opt.memory_report()
     assert rep["grads"] == 0 and rep["accum"] == rep["comm"] == rep["params"]
     loss_fn(model, 0, 50).backward()  # after model.zero_grad(): backward's gradients land in the buffer again
-    accum = opt._flat.accum.untyped_storage().data_ptr()
+    accum = opt.runtime.flat.accum.untyped_storage().data_ptr()
     assert all(p.grad.untyped_storage().data_ptr() == accum for p in model.parameters())
     opt.finish()

@@ -267,7 +267,7 @@ def test_frozen_parameters_are_ignored():
     model.fc1.requires_grad_(False)
     frozen = model.fc1.weight.detach().clone()
     opt = AccoOptimizer(model.parameters(), mode="sync", lr=1e-2)
-    assert len(opt._params) == 3 and opt.layout.numel == 18 + 3 + 2
+    assert len(opt.runtime.params) == 3 and opt.layout.numel == 18 + 3 + 2
     loss_fn(model, 0, 0).backward()
     opt.step()
     assert torch.equal(model.fc1.weight, frozen) and model.fc1.weight.grad is None
@@ -331,10 +331,10 @@ def test_consolidated_state_of_another_model_is_refused():
     other(torch.randn(2, 3)).sum().backward()
     plain.step()
     opt = AccoOptimizer(ours.parameters(), microbatches_per_update=2, lr=1e-2)
-    master = opt._flat.master.clone()
+    master = opt.runtime.flat.master.clone()
     with pytest.raises(ValueError, match=r"parameter 0 has shape \(4, 3\).*has shape \(3, 4\)"):
         opt.load_consolidated_state_dict(plain.state_dict())
-    assert torch.equal(opt._flat.master, master) and not opt.local_optimizer.state
+    assert torch.equal(opt.runtime.flat.master, master) and not opt.local_optimizer.state
     opt.finish()
 
 

@@ -49,7 +49,7 @@ def test_fused_adamw_resumes_exactly():
     opt2 = AccoOptimizer(model2.parameters(), torch.optim.AdamW, **kw)
     opt2.load_state_dict(saved, restore_model=True)  # a fresh model: its weights come from the state
     step = next(iter(opt2.local_optimizer.state.values()))["step"]
-    assert step.dtype == torch.float32 and step.device == opt2._flat.master.device
+    assert step.dtype == torch.float32 and step.device == opt2.runtime.flat.master.device
     run(model2, opt2, 3, 6)
     opt2.finish()
     assert torch.equal(flat(model2), reference)
@@ -137,7 +137,7 @@ def test_fp32_accumulation_keeps_the_grad_contract():
     with pytest.raises(RuntimeError, match="modified in place"):
         opt.step()
     opt.zero_grad()
-    assert opt._flat.accum.abs().sum() == 0
+    assert opt.runtime.flat.accum.abs().sum() == 0
     opt._failed = None
     opt.finish()
 

@@ -62,7 +62,7 @@ def _algorithm_worker(rank: int, world: int, env) -> str:
     if env is not None:
         os.environ[collectives.RING_ENV] = env
     opt = AccoOptimizer(make_model().parameters(), lr=1e-2)
-    algorithm = opt._flat.shard.collectives
+    algorithm = opt.runtime.flat.shard.collectives
     opt.finish()
     return algorithm
 
@@ -139,7 +139,7 @@ def test_memory_report_matches_algorithm_table(mode, dtype, estimate):
                         max_microbatches=1, lr=1e-2, estimate_dtype=estimate)
     assert opt.estimate_dtype == estimate
     if estimate is not None:  # the estimate's slice and gathered weights: views of the round buffer, disjoint
-        b, comm = opt._flat.shard, opt._flat.comm
+        b, comm = opt.runtime.flat.shard, opt.runtime.flat.comm
         ptr = comm.untyped_storage().data_ptr()
         assert b.low_slice.untyped_storage().data_ptr() == b.comm_low.untyped_storage().data_ptr() == ptr
         low_end = b.comm_low.data_ptr() + b.comm_low.numel() * 2

@@ -27,7 +27,7 @@ def _bytes_worker(rank: int, world: int) -> dict:
         opt.step()
     opt.finish()
     state = [t for s in opt.local_optimizer.state.values() for t in s.values() if torch.is_tensor(t)]
-    master = opt._flat.master
+    master = opt.runtime.flat.master
     return {
         "numel": numel,
         "master_numel": master.numel(),
@@ -36,7 +36,7 @@ def _bytes_worker(rank: int, world: int) -> dict:
         "moment_numel": sum(t.numel() for t in state if t.dim() > 0),
         "moment_bytes": sum(t.numel() * t.element_size() for t in state if t.dim() > 0),
         "largest_state_tensor": max(t.numel() for t in state),
-        "piece_numel": sum(t.numel() for _, t in opt._wrapped.held()),
+        "piece_numel": sum(t.numel() for _, t in opt.runtime.wrapped.held()),
         "real_numel": opt.layout.real_numel(rank),
     }
 

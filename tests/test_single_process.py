@@ -85,7 +85,7 @@ def test_bf16_compute_copy_with_fp32_master():
     theta0 = [p.detach().clone() for p in model.parameters()]
     opt = AccoOptimizer(model.parameters(), mode="sync", compute_dtype=torch.bfloat16, lr=1e-2)
     assert all(p.dtype == torch.bfloat16 for p in model.parameters())
-    assert opt._flat.master.dtype == torch.float32
+    assert opt.runtime.flat.master.dtype == torch.float32
     ptrs = [p.data_ptr() for p in model.parameters()]
     for i in range(5):
         x, y = batch(0, i)
@@ -93,7 +93,7 @@ def test_bf16_compute_copy_with_fp32_master():
         opt.step()
     opt.finish()
     assert [p.data_ptr() for p in model.parameters()] == ptrs  # addresses fixed after construction
-    master = opt._flat.master[: opt.layout.numel]
+    master = opt.runtime.flat.master[: opt.layout.numel]
     assert torch.equal(flat(model), master.to(torch.bfloat16).to(torch.float64))  # model = rounded master
     _, ref_final = reference_run(theta0, lambda ps: torch.optim.AdamW(ps, lr=1e-2), "sync", grad_fn, [[1] * 5])
     # bf16 gradients: AdamW normalises them, so single elements may differ by ~lr per step;

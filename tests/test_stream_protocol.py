@@ -263,7 +263,7 @@ def _faulty_run(rank, nonfinite, path, inject, completion_seed=None, updates=6, 
             except (NonFiniteGradientError, HyperParameterMismatchError, RoundMismatchError) as exc:
                 raised_at, error = t, type(exc).__name__
             final = flat(model)
-            master = opt._flat.shard.master.clone()
+            master = opt.runtime.flat.shard.master.clone()
     finally:
         acco.device_api.stream_api = acco.device_api.__dict__["_real_stream_api"]
     return dict(final=final, master=master, skipped=opt.num_skipped_updates, raised_at=raised_at, error=error,
@@ -386,7 +386,7 @@ def _connect_worker(rank: int, world: int) -> dict:
         with fake:
             model = make_model()
             opt = AccoOptimizer(model.parameters(), torch.optim.SGD, microbatches_per_update=2, lr=5e-2)
-            name = opt._driver.ctx.group.group_name
+            name = opt.runtime.driver.ctx.group.group_name
 
             def on_round_group():
                 return sum(1 for _, pg in fake.collectives if pg is not None and

@@ -49,20 +49,22 @@ def hyper_fingerprint(hyper: List[Dict[str, Any]]) -> float:
     return float(digest(repr([[(k, value(v)) for k, v in sorted(g.items())] for g in hyper])))
 
 
-def fingerprints(opt: Any) -> List[Tuple[str, Any]]:
-    """(what, value) of everything an :class:`~acco.AccoOptimizer` needs equal on every rank: the model and
-    every option and hyper-parameter that changes the math."""
-    hyper = [{k: v for k, v in sorted(g.items()) if k != "params"} for g in opt.param_groups]
+def fingerprints(param_groups: List[Dict[str, Any]], opt: Any, mesh_description: Any,
+                 microbatches_per_update: Any) -> List[Tuple[str, Any]]:
+    """(what, value) of everything an :class:`~acco.AccoOptimizer` needs equal on every rank: the model (its
+    ``param_groups``, the mesh and placements of DTensor parameters), every option (``opt``: the resolved
+    :class:`~acco.options.Options`) and hyper-parameter that changes the math."""
+    hyper = [{k: v for k, v in sorted(g.items()) if k != "params"} for g in param_groups]
     cls = opt.optimizer_class
     return [
         ("the model (parameter shapes/dtypes, param groups)",
-         [len(g["params"]) for g in opt.param_groups] + [f"{tuple(p.shape)}:{p.dtype}" for g in opt.param_groups
-                                                         for p in g["params"]]),
-        ("the DeviceMesh and placements of DTensor parameters", opt._shards.describe()),
+         [len(g["params"]) for g in param_groups] + [f"{tuple(p.shape)}:{p.dtype}" for g in param_groups
+                                                     for p in g["params"]]),
+        ("the DeviceMesh and placements of DTensor parameters", mesh_description),
         ("mode", opt.mode),
         ("optimizer_class", f"{cls.__module__}.{cls.__qualname__}"),
         ("microbatches_per_update / accumulate_while_communicating / min/max_microbatches",
-         (opt.microbatches_per_update, opt.accumulate_while_communicating, opt.min_microbatches, opt.max_microbatches)),
+         (microbatches_per_update, opt.accumulate_while_communicating, opt.min_microbatches, opt.max_microbatches)),
         ("compute_dtype", str(opt.compute_dtype)),
         ("accumulation_dtype", str(opt.accumulation_dtype)),
         ("reduce_dtype / estimate_dtype", (str(opt.reduce_dtype), str(opt.estimate_dtype))),

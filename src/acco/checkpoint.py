@@ -114,7 +114,7 @@ def gather(optimizer: "AccoOptimizer", *, model: Optional[torch.nn.Module] = Non
 def _same_call(optimizer: "AccoOptimizer", call: str) -> None:
     """Before a checkpoint call's first collective: every rank is in this call (else all raise, naming the calls)."""
     if dist.is_initialized():
-        optimizer._owners.session.gather_row([0], call)
+        optimizer.runtime.owners.session.gather_row([0], call)
 
 
 def _rank0(group) -> bool:
@@ -151,7 +151,7 @@ def save(path: str, optimizer: "AccoOptimizer", *, model: Optional[torch.nn.Modu
 
     _same_call(optimizer, "acco.checkpoint.save()")
     group, shard = _place(optimizer)
-    optim = state_io.state_dict(optimizer._owners, sharded=True)
+    optim = state_io.state_dict(optimizer.runtime.owners, sharded=True)
     sd: Dict[str, Any] = {"optim": {shard: optim} if shard else optim, "extra": dict(extra or {})}
     if model is not None:
         sd["model"] = model.state_dict()
@@ -184,7 +184,7 @@ def _place(optimizer: "AccoOptimizer") -> tuple:
     the optimizer's group and none; with DTensor parameters, every rank of the mesh (the default group) and
     this rank's model shard (``"shard1"``), as ranks of different shards hold different tensors under the
     same piece keys."""
-    shards = optimizer._shards
+    shards = optimizer.runtime.shards
     return shards.checkpoint_group(optimizer.process_group), shards.shard_name()
 
 
@@ -294,7 +294,7 @@ def load(path: str, optimizer: "AccoOptimizer", *, model: Optional[torch.nn.Modu
     # What the checkpoint holds is checked before anything (the model included) is touched.
     head = {"optim": nest({"meta": _meta_template(meta_keys)})}
     read(head)
-    owners = optimizer._owners
+    owners = optimizer.runtime.owners
     info = decode_meta(unnest(head)["meta"])
     check_compatible(owners.describe, info, False, owners.rank, owners.world_size)
     sd: Dict[str, Any] = {
@@ -337,7 +337,7 @@ def _meta_template(meta_keys) -> Dict[str, torch.Tensor]:
 def _target(optimizer: "AccoOptimizer", meta: Dict[str, Any], meta_keys, info, pre: str = "optim.") -> Dict[str, Any]:
     """Empty tensors for ``dcp.load`` to fill: the saved pieces that overlap this rank's, every scalar of the
     parameters it steps, the hyper-parameters, counters and description."""
-    owners = optimizer._owners
+    owners = optimizer.runtime.owners
     layout, rank = owners.layout, owners.rank
     hyper = {k[len(pre + "hyper."):]: tuple(meta[k].size) for k in meta if k.startswith(pre + "hyper.")}
     if state_legacy.is_legacy(info):

@@ -17,27 +17,27 @@ class Introspection:
     @property
     def process_group(self) -> Any:
         """The group the optimizer averages over (``None``: one process)."""
-        return self._group
+        return self._runtime.group
 
     @property
     def device(self) -> Any:
         """The device of the parameters and of every buffer of the library."""
-        return self._flat.master.device
+        return self._runtime.flat.master.device
 
     @property
     def num_rounds(self) -> int:
         """Rounds handed off."""
-        return self._progress.num_rounds
+        return self._runtime.progress.num_rounds
 
     @property
     def num_updates(self) -> int:
         """Committed updates collected (their weights are, or are about to be, in the model)."""
-        return self._progress.num_updates
+        return self._runtime.progress.num_updates
 
     @property
     def num_skipped_updates(self) -> int:
         """Committed updates skipped because their averaged gradient was not finite (``nonfinite="skip"``)."""
-        return self._progress.num_skipped_updates
+        return self._runtime.progress.num_skipped_updates
 
     @property
     def next_update_index(self) -> int:
@@ -47,24 +47,24 @@ class Introspection:
         before ``step()``): in mode acco both halves of a mini-batch then use the
         same rate, and ranks that accumulate at different speeds agree.
         """
-        return self._progress.commits_handed_off
+        return self._runtime.progress.commits_handed_off
 
     @property
     def holds_committed_weights(self) -> bool:
         """Whether the model's parameters are committed weights (not an estimate theta~)."""
-        return not self._progress.holds_estimate
+        return not self._runtime.progress.holds_estimate
 
     @property
     def at_update_boundary(self) -> bool:
         """True right after a step() (with accumulate_while_communicating: the one that handed off a
         committed update) and before any further backward(), or before the first: where a checkpoint
         may be taken."""
-        return self._progress.at_boundary
+        return self._runtime.progress.at_boundary
 
     @property
     def last_grad_norm(self) -> Optional[float]:
         """Global L2 norm (before clipping) of the averaged gradient of the last collected round."""
-        norm = self._driver.last_grad_norm
+        norm = self._runtime.driver.last_grad_norm
         return None if norm is None else float(norm.item())
 
     def attach_lr_scheduler(self, scheduler: Any) -> Any:
@@ -74,13 +74,13 @@ class Introspection:
         differ across ranks; otherwise step the scheduler after ``step()`` as usual.
         Do not also call ``scheduler.step()`` yourself. Returns ``scheduler``.
         """
-        self._lr_schedulers.append(scheduler)
+        self._runtime.lr_schedulers.append(scheduler)
         return scheduler
 
     @property
     def committed_microbatches(self) -> int:
         """Micro-batches of all ranks in the committed updates so far (reads the device)."""
-        return int(self._progress.committed_mb.item())
+        return int(self._runtime.progress.committed_mb.item())
 
     def microbatch_history(self) -> List[Dict[str, Any]]:
         """Per collected round: kind, this rank's and all ranks' micro-batch counts (reads the device)."""
@@ -99,7 +99,7 @@ class Introspection:
         synchronisation; this call reads the device (CUDA: timings of rounds
         whose events are still pending are ``None``). Local: no collective.
         """
-        records = list(self._driver.history)
+        records = list(self._runtime.driver.history)
         if last is not None:
             records = records[-last:] if last > 0 else []
         return [r.as_dict() for r in records]
@@ -123,13 +123,13 @@ class Introspection:
         without a functional estimate; the wrapped optimizer's own step adds
         its temporaries (none for fused AdamW). Local: no collective.
         """
-        self._driver.collect()  # the round fills the state and the scratch: read them after it
-        state = self._wrapped.state_values()
-        snapshot = self._driver.ctx.snapshot
-        master = self._flat.shard.master
-        temporaries = max([functional.temporaries_bound(part.optimizer, master) for part in self._wrapped.parts
+        self._runtime.driver.collect()  # the round fills the state and the scratch: read them after it
+        state = self._runtime.wrapped.state_values()
+        snapshot = self._runtime.driver.ctx.snapshot
+        master = self._runtime.flat.shard.master
+        temporaries = max([functional.temporaries_bound(part.optimizer, master) for part in self._runtime.wrapped.parts
                            if self.options.estimates and functional.supports(part.optimizer)] or [0])
         scratch = [] if snapshot is None else snapshot.tensors()
-        if self._driver.ctx.delay_scratch is not None:
-            scratch.append(self._driver.ctx.delay_scratch)
-        return self._flat.memory_report(state, scratch, temporaries)
+        if self._runtime.driver.ctx.delay_scratch is not None:
+            scratch.append(self._runtime.driver.ctx.delay_scratch)
+        return self._runtime.flat.memory_report(state, scratch, temporaries)

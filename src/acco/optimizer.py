@@ -1,12 +1,10 @@
 """AccoOptimizer: the ``torch.optim.Optimizer`` front of the library.
 
-This file only orchestrates: construction, ``step()``, the backward callbacks,
-the committed weights and ``finish()``. When to hand gradients to a round and
-which kind is ``loops.py``. The state has
-owners of its own: the flat buffers (``buffers.py``), the counters and
-hand-off flags (``progress.py``), the round in flight and what comes back from
-rounds (``driver.py``); what a round computes is ``rounds.py``, where it runs
-``scheduler.py``, what the ranks must agree on ``agreement.py``. The
+This file is what users read: the class, its arguments and their docstrings,
+``param_groups``, torch's optimizer hooks (state-dict pre/post hooks, the
+global step hooks). Everything the optimizer builds, owns and runs is the
+:class:`~acco.runtime.Runtime` (``runtime.py``), which the front holds and
+forwards to; ``docs/architecture.md`` says which object owns what. The
 equations are those of ``docs/algorithm.md``.
 
 Two ways to drive it:
@@ -28,35 +26,19 @@ from __future__ import annotations
 import contextlib
 import datetime
 import logging
-from functools import partial
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Union
 
 import torch
 import torch.distributed as dist
 
 from . import _validation as V
-from . import agreement, device_api
-from .state import consolidated as state_consolidated
-from .state import io as state_io
-from . import ddp as _ddp
-from . import hooks, mesh
 from .agreement import hyper_fingerprint
-from .amp import LossScale
-from .buffers import FlatBuffers
-from .collectives import connect, group_rank, group_size, new_local_group, new_round_group, ring_algorithm
 from .driver import RoundDriver
 from .introspection import Introspection
-from .placement import Layout
-from .loops import ElasticLoop, LoopContext, UpdateLoop
-from .mesh import LocalShards
 from .options import Options, check_arguments
-from .options import resolve as resolve_options
-from .progress import Progress
-from .rounds import OptimizerSnapshot, RoundContext, RoundKind
-from .scheduler import StreamScheduler
-from .session import Session
-from .state.format import FORMAT_VERSION, IMPLEMENTATION_FLAGS, StateOwners
-from .wrapped import WrappedOptimizers, class_name, placement_cost, placement_of
+from .runtime import Runtime, make_closer
+from .state import io as state_io
+
 
 __all__ = ["AccoOptimizer", "hyper_fingerprint"]
 
@@ -251,129 +233,24 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
             max_microbatches=max_microbatches, max_grad_norm=max_grad_norm, nonfinite=nonfinite, timeout=timeout,
             synchronous_updates=synchronous_updates, estimate_microbatches=estimate_microbatches,
             estimate_extrapolation=estimate_extrapolation, delay_correction=delay_correction)
-        placement = checked["placement"]
         groups = V.normalize_param_groups(params)
         classes = [V.group_class(g, gi, optimizer_class) for gi, g in enumerate(groups)]
         groups = V.other_class_defaults(groups, classes, optimizer_class)
         given = [set(g) for g in groups]  # before torch fills every group from optimizer_kwargs
         super().__init__(groups, dict(optimizer_kwargs))
         V.drop_foreign_defaults(self.param_groups, given, classes, optimizer_class, optimizer_kwargs)
-        self._params: List[torch.Tensor] = [p for g in self.param_groups for p in g["params"]]
-        V.check_params(self._params, compute_dtype)
-        # DTensor parameters (tensor parallel): ACCO works on each rank's local shards (the same storage).
-        self._shards = LocalShards(self._params, device_api.stream_api(self._params[0].device))
-        local = self._shards.locals
-        V.check_dtypes(self._params[0].dtype, compute_dtype)
-        self._classes = classes
-        kinds = {cls: placement_of(cls, placement) for cls in dict.fromkeys(classes)}
-        index_of_group, placements, costs, start = [], [], [], 0
-        for g, cls in zip(self.param_groups, classes):
-            index_of_group.append(list(range(start, start + len(g["params"]))))
-            start += len(g["params"])
-            V.check_whole_tensors(cls, kinds[cls], g["params"], len(placements))
-            placements += [kinds[cls]] * len(g["params"])
-            costs += [placement_cost(cls, local[i].shape, g) for i in index_of_group[-1]]
-
-        self._group = V.resolve_process_group(process_group)
-        self.world_size = group_size(self._group)
-        self.rank = group_rank(self._group)
-        device = self._params[0].device
-        # The configuration, resolved once (dtypes against the parameters and the group): read-only from here on.
-        self.options: Options = resolve_options(
-            checked, param_dtype=self._params[0].dtype, world_size=self.world_size, compute_dtype=compute_dtype,
-            accumulation_dtype=accumulation_dtype, reduce_dtype=reduce_dtype, estimate_dtype=estimate_dtype,
-            classes=classes)
-        o = self.options
-        self._model_buffers = V.check_buffers(buffers, device)
-        self._progress = Progress(torch.zeros((), dtype=torch.float64, device=device), microbatches_per_update)
-        mesh.check_supported(self._shards, self._group, whole="whole" in placements,
-                             dtypes_plain=o.compute_dtype == o.accumulation_dtype == self._params[0].dtype)
-        self.layout = Layout.build([p.shape for p in local], self.world_size, placements, costs)
-        if self.layout.padding > 0.1 * self.layout.numel:
-            log.warning("acco: the flat buffer holds %d elements for %d of parameters (%.0f%% padding, sent by every "
-                        "round): a tensor placed whole is larger than 1/%d of the model (docs/usage.md, placement)",
-                        self.layout.padded_numel, self.layout.numel, 100 * self.layout.padding / self.layout.numel,
-                        self.world_size)
-        round_group = None
-        if self._group is not None:
-            agreement.check_same_model(self._group, agreement.fingerprints(self), self.layout.numel, len(self._params), device)
-            agreement.broadcast_parameters(local, self._group)
-            # Rounds talk on a group of their own, so the user's collectives on the main thread can never
-            # interleave with a round's.
-            round_group = new_round_group(self._group, o.timeout)
-            connect(round_group, device)  # its communicator now, from this thread, not in the first backward
-        model_group, model_ranks = None, mesh.norm_group_ranks(self._shards)
-        if model_ranks is not None:  # the norm over the model's other shards, on a group of the rounds' own too
-            model_group = new_local_group(model_ranks, dist.get_backend(round_group or self._group), o.timeout)
-            connect(model_group, device)
-        # Which parameters this rank counts in the global norm; plain ones must be alike on the model's ranks.
-        counts = mesh.check_replicas(self._shards, model_group) if self._shards.any else None
-        # The agreement gathers of the public collective calls (which call every rank is in, refusals, round
-        # counts) run on the main thread. With ``timeout`` they get a small CPU (gloo) group of their own that
-        # honours it, so a call made on some ranks only fails within ``timeout``, not the process group's.
-        control_group, control_device = self._group, device
-        if self._group is not None and o.timeout is not None:
-            control_group = dist.new_group(
-                ranks=dist.get_process_group_ranks(self._group), backend="gloo", timeout=o.timeout,
-                use_local_synchronization=self._group is not dist.group.WORLD,
-            )
-            control_device = torch.device("cpu")
-        self._flat = FlatBuffers(local, self.layout, self.rank, o.compute_dtype, o.accumulation_dtype, o.reduce_dtype,
-                                 separate_grads=o.accumulate_while_communicating,
-                                 collectives=ring_algorithm(round_group), estimate_dtype=o.estimate_dtype)
-        # Each group's kernel on this device (fused Adam/AdamW on CUDA), from the kernel flags it holds: its own
-        # and, for optimizer_class, the keyword arguments'. In the group, as a group's keys override a constructor's.
-        for g, cls in zip(self.param_groups, classes):
-            g.update(V.device_kernel(cls, {k: g[k] for k in IMPLEMENTATION_FLAGS if k in g}, device))
-        kwargs = {optimizer_class: dict(optimizer_kwargs)}
-        self._wrapped = WrappedOptimizers(self.layout, self.rank, self._flat.shard.master, self._flat.shard.grad,
-                                          self.param_groups, classes, kwargs, index_of_group)
-        # Fill every group with its wrapped optimizer's defaults: param_groups is the live truth rounds read.
-        if self._wrapped.single is not None:
-            for key, value in self._wrapped.single.defaults.items():
+        self._runtime = rt = Runtime(
+            self.param_groups, classes, checked, optimizer_kwargs, process_group=process_group,
+            compute_dtype=compute_dtype, accumulation_dtype=accumulation_dtype, reduce_dtype=reduce_dtype,
+            estimate_dtype=estimate_dtype, buffers=buffers, microbatches_per_update=microbatches_per_update,
+            owner_id=id(self))
+        if rt.wrapped.single is not None:  # the wrapped optimizer's defaults fill this one's
+            for key, value in rt.wrapped.single.defaults.items():
                 self.defaults.setdefault(key, value)
-        for gi, g in enumerate(self.param_groups):
-            for key, value in self._wrapped.defaults_of_group(gi).items():
-                g.setdefault(key, value)
-
-        self.scheduler = StreamScheduler(device)
-        self._flat.shard.host_empty = self.scheduler.host_empty
-        ctx = RoundContext(
-            self._flat.shard, self._wrapped, round_group,
-            # Scratch for Opt* (mode acco), and on the CUDA path for undoing a skipped step on the device.
-            OptimizerSnapshot() if o.estimates or self.scheduler.uses_streams else None,
-            o.max_grad_norm, o.nonfinite, device_checks=self.scheduler.uses_streams, extrapolation=o.estimate_extrapolation,
-            model_group=model_group, norm_ranges=mesh.counted_ranges(counts, self.layout.pieces(self.rank)),
-            delay_scratch=torch.empty_like(self._flat.shard.master) if o.delay_correction else None,
-        )
-        self._driver = RoundDriver(ctx, self.scheduler, self._progress, self._flat, self.rank, self.world_size)
-        # The agreement exchange, the lifecycle flags and the committed-weights view: one owner that the loop and
-        # the state code are handed by reference, so that neither calls back into the optimizer.
-        self._session = Session(self._group, control_group, control_device, self._driver)
-        self._ddp_checked = False
-        self._lr_schedulers: List[Any] = []  # attached with attach_lr_scheduler(): stepped at each commit
-        self._backward_queued = -1  # id of the autograd graph task whose end-of-backward callback is queued
-        self._loss_scale = LossScale(device, id(self))  # a GradScaler's part (amp.py): rounds unscale
-        self._owners = StateOwners(
-            layout=self.layout, rank=self.rank, world_size=self.world_size, flat=self._flat, wrapped=self._wrapped,
-            progress=self._progress, driver=self._driver, scheduler=self.scheduler, param_groups=self.param_groups,
-            describe=self._describe(), session=self._session, process_group=self._group, estimate_microbatches=o.estimate_microbatches,
-            loss_scale=self._loss_scale,
-        )
-        round_done = self.scheduler.done
-        if model_ranks is not None and o.accumulate_while_communicating:  # a model's shards hand off together
-            round_done = mesh.agreed_done(round_done, new_local_group(model_ranks, "gloo", o.timeout))
-        loop = LoopContext(
-            options=o, world_size=self.world_size, progress=self._progress,
-            driver=self._driver, flat=self._flat, round_done=round_done, session=self._session,
-            param_groups=self.param_groups, lr_schedulers=self._lr_schedulers, model_buffers=self._model_buffers,
-            loss_scale=self._loss_scale,
-        )
-        self._loop = ElasticLoop(loop) if o.accumulate_while_communicating else UpdateLoop(loop)
+        self.options: Options = rt.options  # the configuration, resolved once: read-only from here on
+        self.rank, self.world_size, self.layout, self.scheduler = rt.rank, rt.world_size, rt.layout, rt.scheduler
         self._constructed = True  # add_param_group() from here on would change the layout: refused
-        self._hook_handles = hooks.install(self._params, self._on_grad_accumulated,
-                                           self._on_incoming_grad if self._flat.fold_on_arrival else None)
-        self._closer = hooks.close_unfinished(self, partial(_close_unfinished, self._driver))  # if finish() never comes
+        self._closer = make_closer(self, rt)  # if finish() never comes
 
     @classmethod
     def from_optimizer(cls, optimizer: Any, **options: Any) -> "AccoOptimizer":
@@ -414,56 +291,57 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
     # ------------------------------------------------------------------ state owned elsewhere
 
     @property
+    def runtime(self) -> Runtime:
+        """The library's runtime behind this front (``acco/runtime.py``): what acco's own modules (checkpoints,
+        integrations) work on. Not a stable API for user code."""
+        return self._runtime
+
+    @property
     def finished(self) -> bool:
         """Whether :meth:`finish` has ended training with this optimizer (a later ``step()`` raises)."""
-        return self._session.finished
+        return self._runtime.session.finished
 
     @property
     def local_optimizer(self) -> torch.optim.Optimizer:
         """The wrapped torch optimizer on this rank (its parameters: this rank's share of the master weights).
         With several classes (``"optimizer_class"`` in param groups): :attr:`local_optimizers`."""
-        single = self._wrapped.single
+        single = self._runtime.wrapped.single
         if single is None:
             raise AttributeError(
                 "AccoOptimizer.local_optimizer: this optimizer wraps several classes "
-                f"({', '.join(type(p.optimizer).__name__ for p in self._wrapped.parts)}); use local_optimizers"
+                f"({', '.join(type(p.optimizer).__name__ for p in self._runtime.wrapped.parts)}); use local_optimizers"
             )
         return single
 
     @property
     def local_optimizers(self) -> List[torch.optim.Optimizer]:
         """The wrapped torch optimizers on this rank, one per class, in the order of their first param group."""
-        return [part.optimizer for part in self._wrapped.parts]
+        return [part.optimizer for part in self._runtime.wrapped.parts]
 
     @property
     def model_buffers(self) -> List[torch.Tensor]:
         """The model buffers kept equal across ranks (``buffers=``): the first rank's, at every commit."""
-        return list(self._model_buffers)
+        return list(self._runtime.model_buffers)
 
     @property
     def microbatches_per_update(self) -> Optional[int]:
-        return self._progress.microbatches_per_update
+        return self._runtime.progress.microbatches_per_update
 
     @microbatches_per_update.setter
     def microbatches_per_update(self, value: Optional[int]) -> None:
         if value is not None and self.estimate_microbatches is not None:
             V.check_estimate_within(self.estimate_microbatches, value)
-        self._progress.microbatches_per_update = value
+        self._runtime.progress.microbatches_per_update = value
 
     @property
     def _failed(self) -> Optional[BaseException]:
-        return self._driver.failed
+        return self._runtime.driver.failed
 
     @_failed.setter
     def _failed(self, exc: Optional[BaseException]) -> None:
-        self._driver.failed = exc
+        self._runtime.driver.failed = exc
 
     # ------------------------------------------------------------------ checks
-
-    def _check_ddp_once(self) -> None:
-        if not self._ddp_checked:
-            self._ddp_checked = True
-            _ddp.check_not_reducing_twice(self._params)
 
     def add_param_group(self, param_group: Dict[str, Any]) -> None:
         """Used by the constructor; afterwards refused: the flat layout and the shards are fixed at construction."""
@@ -475,43 +353,6 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
             )
         super().add_param_group(param_group)
 
-    # ------------------------------------------------------------------ gradients
-
-    def _on_grad_accumulated(self, index: int) -> None:
-        """Post-accumulate-grad hook of parameter ``index`` (inside backward)."""
-        if self._session.in_view:
-            raise RuntimeError("AccoOptimizer: backward() inside opt.committed_weights(); call it after the block")
-        if self._shards.any:
-            self._shards.take_grad(index)  # the DTensor gradient's local shard into the buffer
-        self._flat.binding.after_accumulate(index)
-        self._flat.arrivals.mark(index)  # this parameter has a gradient in the update (torch: .grad not None)
-        self._progress.at_boundary = False
-        if not self._loop.queues_end_of_backward:
-            return
-        task = torch._C._current_graph_task_id()
-        if task != self._backward_queued:
-            hooks.refuse_reentrant_backward()
-            self._backward_queued = task
-            # Once per backward pass, as DDP and FSDP do: runs when the whole backward has finished.
-            torch.autograd.Variable._execution_engine.queue_callback(self._end_of_backward)
-
-    def _on_incoming_grad(self, index: int, grad: torch.Tensor) -> None:
-        """Pre-hook of parameter ``index``'s gradient accumulator (``fold_on_arrival``): into the fp32 sum."""
-        if not self._session.finished:
-            self._flat.add_incoming(index, grad)
-
-    def _end_of_backward(self) -> None:
-        """End of a backward pass: once more at the back of the queue, so that the end-of-backward work of
-        others queued during this backward (DDP's copy of its buckets into .grad) is done first."""
-        torch.autograd.Variable._execution_engine.queue_callback(self._after_backward)
-
-    def _after_backward(self) -> None:
-        """A micro-batch's backward has finished (one step() per update); the loop may hand off the estimate."""
-        self._check_ddp_once()  # before any round (an estimate may go next); DDP's own end-of-backward is done
-        self._shards.order_grads()  # FSDP2's post-reduce stream wrote the buffer: waited for before it is read
-        self._flat.binding.mark_backward_end()
-        self._loop.after_backward()
-
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Discard the gradients of the micro-batches since the last ``step()``, as torch's optimizers do.
 
@@ -522,7 +363,7 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         that raises. With ``accumulate_while_communicating`` the gradients
         already given to ``step()`` belong to the library and are kept.
         """
-        self._loop.zero_grad()
+        self._runtime.loop.zero_grad()
 
     # ------------------------------------------------------------------ step
 
@@ -540,10 +381,9 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         check is agreed by all ranks (``acco/amp.py``); leave out ``scaler.unscale_(opt)``.
         Collective: call on all ranks.
         """
-        self._session.check_open()
-        if grad_scaler is not None:
-            self._check_loss_scaling()
-        elif "grad_scale" in self.__dict__ or "found_inf" in self.__dict__:
+        rt = self._runtime
+        rt.begin_step(grad_scaler)
+        if grad_scaler is None and ("grad_scale" in self.__dict__ or "found_inf" in self.__dict__):
             # A GradScaler that no longer hands itself to step(): the gradients would be used scaled.
             raise RuntimeError(
                 "AccoOptimizer.step(): this torch's GradScaler set optimizer.grad_scale/found_inf instead of passing "
@@ -554,24 +394,8 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._check_ddp_once()
-        if self._shards.any:
-            self._shards.order_grads()
-            mesh.refuse_grad_outside_autograd(self._shards)
-            mesh.warn_short_update(self.mode, self._progress.mb_in_update, self._progress.microbatches_per_update)
-        self._loop.step(grad_scaler)
+        rt.step(grad_scaler)
         return loss
-
-    def _check_loss_scaling(self) -> None:
-        """Refuse what a GradScaler cannot drive (the same on every rank: before any collective)."""
-        if self._shards.any:
-            raise NotImplementedError(
-                "AccoOptimizer with a GradScaler on DTensor parameters (FSDP2, tensor parallelism) is not supported "
-                "yet: train in bf16 (no loss scaling; torchtitan's default), or without DTensor parameters")
-        if self.options.nonfinite == "raise":
-            raise ValueError(
-                "AccoOptimizer(nonfinite='raise') with a GradScaler: the scaler expects an update whose gradient is "
-                "not finite to be skipped (then it lowers the scale). Build it with nonfinite='skip' (the default)")
 
     # ------------------------------------------------------------------ the committed weights, the end
 
@@ -584,23 +408,8 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         Waits for the in-flight round. Local (no collective); re-entrant.
         No ``backward()``/``step()`` inside the block.
         """
-        s = self._session
-        if s.in_view:
+        with self._runtime.committed_weights():
             yield
-            return
-        self._driver.check_not_failed()
-        self._driver.collect()
-        swap = self._progress.pending is RoundKind.COMMIT
-        if swap:
-            self._flat.swap_model_and_comm()
-        s.in_view = True
-        s.view_swapped = swap  # the comm buffer holds the model's own weights meanwhile (checkpoints read them)
-        try:
-            yield
-        finally:
-            s.in_view = s.view_swapped = False
-            if swap:
-                self._flat.swap_model_and_comm()
 
     def finish(self) -> None:
         """Wait for the in-flight round; leave the last committed weights in the model.
@@ -613,61 +422,9 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         process ends"), but the model may hold an estimate.
         Collective: call on all ranks.
         """
-        if self._failed is not None:  # no collective, no wait: a peer may be gone
-            if not self._session.finished:
-                self._session.finished = True
-                self._driver.close_at_exit()  # no wait for a stuck round: its group is aborted
-                self._remove_hooks()
-            raise RuntimeError("AccoOptimizer.finish(): a previous round failed; nothing to finish") from self._failed
-        if self._session.finished:
-            return
-        if self._session.in_view:
-            raise RuntimeError("AccoOptimizer.finish() inside opt.committed_weights(): call it after the block")
-        try:
-            try:
-                agreement.check_same_round_count(self._session.gather_row, self.num_rounds)
-            except RuntimeError as exc:  # the counts differ, or a peer is gone: no round can complete
-                self._failed = exc
-                raise
-            self._driver.collect()
-            self._driver.install_pending(commits_only=True)
-            self._driver.read_reports()  # CUDA path: errors the device found in the last rounds
-        finally:
-            self._session.finished = True
-            self._driver.close(ok=self._failed is None)
-        self._flat.drop_accumulated()
-        self._progress.holds_estimate = False
-        self._progress.start_window()
-        self._remove_hooks()
-
-    def _remove_hooks(self) -> None:
-        """A finished optimizer no longer reacts to backward (a new one may own the parameters)."""
-        for handle in self._hook_handles:
-            handle.remove()
-        self._hook_handles = []
-        self._closer.detach()
+        self._runtime.finish(self._closer)
 
     # ------------------------------------------------------------------ checkpoints
-
-    def _refuse_mesh(self, call: str) -> None:
-        """Checkpoint forms that do not tell the model shards of DTensor parameters apart."""
-        if self._shards.any:
-            raise NotImplementedError(
-                f"AccoOptimizer.{call} with DTensor parameters is not supported: ranks of different model shards "
-                "hold different tensors under the same keys. Use acco.checkpoint.save(path, opt, model=model) and "
-                "acco.checkpoint.load(path, opt, model=model), which keep each shard's apart (or "
-                "torch.save(opt.state_dict(), f'optim.rank{dist.get_rank()}.pt') on every rank) "
-                "(docs/models-larger-than-one-device.md)")
-
-    def _describe(self) -> Dict[str, Any]:
-        """What a state dict of this optimizer holds, independent of the world size (format 3)."""
-        classes = list(dict.fromkeys(self._classes))
-        out = {"format": FORMAT_VERSION, "mode": self.mode, "optimizer": "+".join(class_name(c) for c in classes),
-               "layout": self.layout.describe(),
-               "dtypes": f"compute {self.compute_dtype}, master {self._flat.master.dtype}"}
-        if self._shards.any:  # the placements and this rank's model shard: another shard's state is refused
-            out["mesh"] = f"{self._shards.describe()} as {self._shards.shard_name()}"
-        return out
 
     def state_dict(self) -> Dict[str, Any]:
         """This rank's share of the state, with what it is (rank, world size, mode, optimizer, layout).
@@ -680,7 +437,7 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         """
         for pre_hook in list(self._optimizer_state_dict_pre_hooks.values()):
             pre_hook(self)
-        state_dict = state_io.state_dict(self._owners)
+        state_dict = state_io.state_dict(self._runtime.owners)
         for post_hook in list(self._optimizer_state_dict_post_hooks.values()):
             result = post_hook(self, state_dict)
             if result is not None:
@@ -690,8 +447,8 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
     def sharded_state_dict(self) -> Dict[str, Any]:
         """The state for ``torch.distributed.checkpoint``: each rank's pieces keyed by parameter and first
         element, so DCP writes each once and a load on any world size reads those it needs. Local."""
-        self._refuse_mesh("sharded_state_dict()")
-        return state_io.state_dict(self._owners, sharded=True)
+        self._runtime.refuse_mesh("sharded_state_dict()")
+        return state_io.state_dict(self._runtime.owners, sharded=True)
 
     def load_state_dict(self, state_dict: Dict[str, Any], *, restore_model: bool = False,
                         allow_new_microbatches: bool = False) -> None:
@@ -710,7 +467,7 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
             result = pre_hook(self, state_dict)
             if result is not None:
                 state_dict = result
-        state_io.load_state_dict(self._owners, state_dict, restore_model=restore_model,
+        state_io.load_state_dict(self._runtime.owners, state_dict, restore_model=restore_model,
                                  allow_new_microbatches=allow_new_microbatches)
         for post_hook in list(self._optimizer_load_state_dict_post_hooks.values()):
             post_hook(self)
@@ -718,22 +475,9 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
     def consolidated_state_dict(self) -> Dict[str, Any]:
         """Full per-parameter state in the wrapped optimizer's own format (with several classes: each
         parameter's state that of its class, by its index in this optimizer's groups). Collective."""
-        self._refuse_mesh("consolidated_state_dict()")
-        state_io.require_boundary(self._owners, "consolidated_state_dict")
-        self._session.gather_row([0], "consolidated_state_dict()")  # every rank is here (not one update ahead)
-        return state_consolidated.consolidated_state_dict(self._owners)
+        return self._runtime.consolidated_state_dict()
 
     def load_consolidated_state_dict(self, state_dict: Dict[str, Any]) -> None:
         """Take a plain optimizer's ``state_dict()``; the master comes from the model's
         current weights. Call on all ranks (each keeps its share)."""
-        self._refuse_mesh("load_consolidated_state_dict()")
-        state_io.require_boundary(self._owners, "load_consolidated_state_dict")
-        state_consolidated.load_consolidated_state_dict(self._owners, state_dict, self._params)
-
-
-def _close_unfinished(driver: RoundDriver) -> None:
-    """An optimizer dropped, or alive at interpreter exit, without ``finish()``: let the in-flight round end,
-    then release the round group (a round left running, or gloo work freed during interpreter finalisation,
-    aborts the process). No collective: the peers may be gone or elsewhere."""
-    if driver.close_at_exit():
-        log.info("acco: closed without finish(): the in-flight round ended, the round group released")
+        self._runtime.load_consolidated_state_dict(state_dict)
