@@ -164,7 +164,7 @@ def test_a_loaded_or_set_update_not_longer_than_estimate_microbatches_is_refused
 
 def test_a_finished_optimizer_is_freed_when_dropped_without_the_garbage_collector():
     """Check that dropping a finished optimizer frees it (and its buffers) at once, with the collector off:
-    no part of it (its loop, its state's owners, its session) refers back to it. Its parts once held its
+    no part of it (its runtime, loop, state's owners, session) refers back to it or to the runtime. Its parts once held its
     methods strongly, a cycle that kept a
     dropped optimizer's buffers (9 parameter copies at one rank) on the GPU until a collection (found
     after the first GPU run). The process's first optimizer is built and dropped first: torch's first use
@@ -184,7 +184,8 @@ def test_a_finished_optimizer_is_freed_when_dropped_without_the_garbage_collecto
         if m == 2:
             opt.state_dict()  # a checkpoint's gathers go through the state's owners
         opt.finish()
-        return weakref.ref(opt)
+        # the front, its runtime and the buffers: none may wait for the collector
+        return [weakref.ref(opt), weakref.ref(opt.runtime), weakref.ref(opt.runtime.flat.master)]
 
     was_enabled = gc.isenabled()
     gc.disable()
@@ -194,7 +195,7 @@ def test_a_finished_optimizer_is_freed_when_dropped_without_the_garbage_collecto
         for options in ({"mode": "acco", "microbatches_per_update": 2}, {"mode": "sync", "microbatches_per_update": 2},
                         {"mode": "dpu", "microbatches_per_update": 2},
                         {"mode": "acco", "accumulate_while_communicating": True, "max_microbatches": 1}):
-            assert run(**options)() is None, options
+            assert [ref() for ref in run(**options)] == [None] * 3, options
     finally:
         if was_enabled:
             gc.enable()
