@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from acco._validation import resolve_estimate_dtype, resolve_estimate_extrapolation
+from acco.modes import Mode
 from acco.placement import Layout
 from acco.rounds import clip_coefficient
 
@@ -108,7 +109,7 @@ F32, BF16, F64 = torch.float32, torch.bfloat16, torch.float64
 ])
 def test_estimate_dtype_auto_is_bf16_only_for_an_fp32_model_with_an_estimate_round_to_send(mode, compute, reduce, world,
                                                                                             expected):
-    assert resolve_estimate_dtype("auto", mode, compute, reduce, world) == expected
+    assert resolve_estimate_dtype("auto", Mode(mode), compute, reduce, world) == expected
 
 
 ADAMW, ADAM, SGD = torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD
@@ -126,19 +127,19 @@ ADAMW, ADAM, SGD = torch.optim.AdamW, torch.optim.Adam, torch.optim.SGD
     ("sync", False, None, [ADAMW], 1.0),
 ])
 def test_estimate_extrapolation_auto_is_1_2_only_where_it_was_measured(mode, accumulating, h, classes, expected):
-    assert resolve_estimate_extrapolation("auto", mode, accumulating, h, classes) == expected
+    assert resolve_estimate_extrapolation("auto", Mode(mode), accumulating, h, classes) == expected
 
 
 @pytest.mark.parametrize("given", [1.0, 0.8, 1.5])
 def test_an_explicit_estimate_extrapolation_is_kept(given):
-    assert resolve_estimate_extrapolation(given, "acco", False, None, [ADAMW]) == given
-    assert resolve_estimate_extrapolation(given, "acco", True, 3, [SGD]) == given
+    assert resolve_estimate_extrapolation(given, Mode.ACCO, False, None, [ADAMW]) == given
+    assert resolve_estimate_extrapolation(given, Mode.ACCO, True, 3, [SGD]) == given
 
 
 @pytest.mark.parametrize("given", [None, torch.bfloat16])
 def test_an_explicit_estimate_dtype_is_kept(given):
-    assert resolve_estimate_dtype(given, "acco", F32, F32, 2) == given
-    assert resolve_estimate_dtype(None, "sync", F32, F32, 2) is None
+    assert resolve_estimate_dtype(given, Mode.ACCO, F32, F32, 2) == given
+    assert resolve_estimate_dtype(None, Mode.SYNC, F32, F32, 2) is None
 
 
 @pytest.mark.parametrize("seed", range(10))

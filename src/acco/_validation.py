@@ -10,12 +10,13 @@ import os
 from typing import Any, Dict, Iterable, List, Optional, Union
 
 import torch
+
+from .modes import MODES, Mode
 import torch.distributed as dist
 
 from .state.format import IMPLEMENTATION_FLAGS
 from .wrapped import class_defaults
 
-MODES = ("acco", "dpu", "sync")
 
 
 def check_optimizer_class(optimizer_class: Any, where: str = "optimizer_class") -> None:
@@ -119,9 +120,9 @@ def constructor_defaults(optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
     return {k: v for k, v in optimizer.defaults.items() if k in params}
 
 
-def check_mode(mode: Any) -> None:
-    if mode not in MODES:
-        raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+def check_mode(mode: Any) -> Mode:
+    """The :class:`~acco.modes.Mode` named ``mode``; raises naming the choices."""
+    return Mode.parse(mode)
 
 
 ACCO_NEEDS_TWO = (
@@ -131,11 +132,11 @@ ACCO_NEEDS_TWO = (
 )
 
 
-def check_handoffs(mode: str, per_update: Any, elastic: Any, min_microbatches: Any, max_microbatches: Any) -> None:
+def check_handoffs(mode: Mode, per_update: Any, elastic: Any, min_microbatches: Any, max_microbatches: Any) -> None:
     if per_update is not None:
         if not isinstance(per_update, int) or isinstance(per_update, bool) or per_update < 1:
             raise ValueError(f"microbatches_per_update must be None or an int >= 1, got {per_update!r}")
-        if mode == "acco" and per_update < 2:
+        if mode.estimates and per_update < 2:
             raise ValueError(ACCO_NEEDS_TWO.format(m=per_update))
     if not isinstance(elastic, bool):
         raise TypeError(f"accumulate_while_communicating must be True or False, got {elastic!r}")
@@ -165,7 +166,7 @@ def check_timeout(timeout: Any) -> None:
         )
 
 
-def resolve_estimate_dtype(estimate_dtype: Any, mode: str, compute_dtype: torch.dtype, reduce_dtype: torch.dtype,
+def resolve_estimate_dtype(estimate_dtype: Any, mode: Mode, compute_dtype: torch.dtype, reduce_dtype: torch.dtype,
                            world_size: int) -> Optional[torch.dtype]:
     """``estimate_dtype``: the dtype the estimate round travels in, or ``None`` (like the commit).
 
@@ -178,16 +179,16 @@ def resolve_estimate_dtype(estimate_dtype: Any, mode: str, compute_dtype: torch.
                 f"estimate_dtype must be 'auto', torch.bfloat16 or None, got {estimate_dtype!r}. 'auto' (the default) "
                 "sends an fp32 model's estimate round in bf16; None keeps it exact"
             )
-        narrow = mode == "acco" and compute_dtype == reduce_dtype == torch.float32 and world_size > 1
+        narrow = mode.estimates and compute_dtype == reduce_dtype == torch.float32 and world_size > 1
         return torch.bfloat16 if narrow else None
     check_estimate_dtype(estimate_dtype, mode, reduce_dtype)
     return estimate_dtype
 
 
-def check_estimate_dtype(estimate_dtype: Any, mode: str, reduce_dtype: torch.dtype) -> None:
+def check_estimate_dtype(estimate_dtype: Any, mode: Mode, reduce_dtype: torch.dtype) -> None:
     if estimate_dtype is None:
         return
-    if mode != "acco":
+    if not mode.estimates:
         raise ValueError(f"estimate_dtype applies to mode='acco' only (its estimate round), got mode={mode!r}")
     if not (isinstance(estimate_dtype, torch.dtype) and estimate_dtype.is_floating_point) or estimate_dtype == torch.float16:
         raise TypeError(f"estimate_dtype must be 'auto', torch.bfloat16 or None, got {estimate_dtype}")
@@ -209,14 +210,14 @@ def check_synchronous_updates(elastic: bool, synchronous_updates: Any) -> None:
         )
 
 
-def check_estimate_microbatches(mode: str, per_update: Any, elastic: bool, h: Any) -> None:
+def check_estimate_microbatches(mode: Mode, per_update: Any, elastic: bool, h: Any) -> None:
     """``estimate_microbatches``: the micro-batches of an update before its estimate's hand-off (mode acco, one
     ``step()`` per update); ``None`` is the paper's first half, ``microbatches_per_update // 2``."""
     if h is None:
         return
     if not isinstance(h, int) or isinstance(h, bool) or h < 1:
         raise ValueError(f"estimate_microbatches must be None or an int >= 1, got {h!r}")
-    if mode != "acco":
+    if not mode.estimates:
         raise ValueError(f"estimate_microbatches={h} applies to mode='acco' only (it places the estimate round), "
                          f"got mode={mode!r}: drop it")
     if elastic:
@@ -229,7 +230,7 @@ def check_estimate_microbatches(mode: str, per_update: Any, elastic: bool, h: An
         check_estimate_within(h, per_update)
 
 
-def check_estimate_extrapolation(mode: str, c: Any) -> Union[float, str]:
+def check_estimate_extrapolation(mode: Mode, c: Any) -> Union[float, str]:
     """``estimate_extrapolation``: ``theta~ = theta + c * (Opt*(theta, g) - theta)`` (mode acco); ``1.0`` is the
     paper's estimate. Returns ``"auto"`` as it is (:func:`resolve_estimate_extrapolation` resolves it once the
     optimizer classes are known), a number as a float."""
@@ -240,7 +241,7 @@ def check_estimate_extrapolation(mode: str, c: Any) -> Union[float, str]:
             f"estimate_extrapolation must be 'auto' or a number in (0, 2], got {c!r}: 1.0 is the paper's estimate, "
             "1.2 what 'auto' takes for Adam and AdamW (docs/settings.md)"
         )
-    if c != 1 and mode != "acco":
+    if c != 1 and not mode.estimates:
         raise ValueError(f"estimate_extrapolation={c} applies to mode='acco' only (its estimate round), got "
                          f"mode={mode!r}: drop it")
     return float(c)
@@ -249,7 +250,7 @@ def check_estimate_extrapolation(mode: str, c: Any) -> Union[float, str]:
 AUTO_EXTRAPOLATION = 1.2  # docs/convergence.md, "How a default is chosen": measured with AdamW only
 
 
-def resolve_estimate_extrapolation(c: Union[float, str], mode: str, accumulate_while_communicating: bool,
+def resolve_estimate_extrapolation(c: Union[float, str], mode: Mode, accumulate_while_communicating: bool,
                                    estimate_microbatches: Optional[int], classes: Iterable[type]) -> float:
     """``"auto"`` (the default): ``1.2`` in mode acco with one ``step()`` per update and the paper's hand-off (the
     first half, ``estimate_microbatches`` None) when every wrapped optimizer is ``torch.optim.Adam`` or ``AdamW``
@@ -259,15 +260,15 @@ def resolve_estimate_extrapolation(c: Union[float, str], mode: str, accumulate_w
         return float(c)
     adam = all(cls in (torch.optim.Adam, torch.optim.AdamW) for cls in classes)
     fixed = not accumulate_while_communicating and estimate_microbatches is None
-    return AUTO_EXTRAPOLATION if mode == "acco" and fixed and adam else 1.0
+    return AUTO_EXTRAPOLATION if mode.estimates and fixed and adam else 1.0
 
 
-def check_delay_correction(mode: str, accumulate_while_communicating: bool, c: Any) -> float:
+def check_delay_correction(mode: Mode, accumulate_while_communicating: bool, c: Any) -> float:
     """``delay_correction``: the error feedback's ``c`` on mode dpu's delayed updates (0: none). Returns a float."""
     if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or not 0 <= c <= 2:
         raise ValueError(f"delay_correction must be a number in [0, 2], got {c!r}: 0 is none, 1.0 the setting of "
                          "Zmushko et al. (docs/algorithm.md)")
-    if c != 0 and mode != "dpu":
+    if c != 0 and not mode.delayed:
         raise ValueError(
             f"delay_correction={c} applies to mode='dpu' only (a step taken from a one-step-stale gradient), got "
             f"mode={mode!r}: mode acco takes no stale gradient (its estimate predicts theta instead; "

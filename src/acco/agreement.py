@@ -61,7 +61,7 @@ def fingerprints(param_groups: List[Dict[str, Any]], opt: Any, mesh_description:
          [len(g["params"]) for g in param_groups] + [f"{tuple(p.shape)}:{p.dtype}" for g in param_groups
                                                      for p in g["params"]]),
         ("the DeviceMesh and placements of DTensor parameters", mesh_description),
-        ("mode", opt.mode),
+        ("mode", opt.mode.value),
         ("optimizer_class", f"{cls.__module__}.{cls.__qualname__}"),
         ("microbatches_per_update / accumulate_while_communicating / min/max_microbatches",
          (microbatches_per_update, opt.accumulate_while_communicating, opt.min_microbatches, opt.max_microbatches)),

@@ -81,9 +81,7 @@ class RoundDriver:
             2 * self.progress.num_rounds + int(kind is RoundKind.ESTIMATE),  # the same on every rank, or all raise
             delay_correction, missing, unscale,
         )
-        self.progress.num_rounds += 1
-        if kind is RoundKind.COMMIT:
-            self.progress.commits_handed_off += 1
+        self.progress.round_handed_off(kind)
         ctx = replace(self.ctx)  # as of this hand-off (release_group() may clear the group later)
         # CUDA: the side stream reads ``unscale`` (made on the compute stream): recorded for it, with the rest.
         uses = self._uses(hyper) + ([unscale] if unscale is not None and self.scheduler.uses_streams else [])
@@ -120,15 +118,11 @@ class RoundDriver:
                 "says which. This optimizer cannot continue; restart from the last checkpoint."
             ) from exc
         p = self.progress
-        if result.kind is RoundKind.COMMIT:
-            p.num_updates += 1
-            p.committed_mb += result.total_microbatches[0]  # compute side, ordered after the round
-            p.num_skipped_updates += int(bool(result.skipped))
+        p.round_collected(result.kind, result.total_microbatches[0], result.skipped)  # compute side, after the round
         if result.report is not None:
             self._unread.append((self.progress.num_rounds - 1, self.scheduler.last_timing.end, result))
         self.last_grad_norm = result.grad_norm
         self._record(result)
-        p.pending = result.kind
         return result
 
     def _record(self, result: RoundResult) -> None:
@@ -176,10 +170,11 @@ class RoundDriver:
     def install_pending(self, commits_only: bool = False) -> None:
         """theta/theta~ swap: put the collected round's weights into the model."""
         p = self.progress
+        installed = None
         if p.pending is not None and (not commits_only or p.pending is RoundKind.COMMIT):
             self.flat.install(self.scheduler, estimate=p.pending is RoundKind.ESTIMATE)
-            p.holds_estimate = p.pending is RoundKind.ESTIMATE
-        p.pending = None
+            installed = p.pending
+        p.installed(installed)
 
     def read_reports(self, upto: Optional[int] = None) -> None:
         """CUDA path: read the reports of the rounds numbered up to ``upto`` (``None``: all, after the host has
@@ -197,7 +192,7 @@ class RoundDriver:
             _, end, result = self._unread.popleft()
             self.scheduler.host_wait(end)
             exc, skipped_on_device = report_outcome(result, self.ctx.nonfinite)
-            self.progress.num_skipped_updates += int(skipped_on_device)
+            self.progress.skipped_on_device(int(skipped_on_device))
             if exc is not None:
                 self.failed = exc
                 self._unread.clear()

@@ -58,7 +58,7 @@ def after_handoff(c: LoopContext, kind: RoundKind, synchronous: bool) -> None:
         c.driver.collect()
         c.driver.install_pending()
     if kind is RoundKind.COMMIT:
-        c.progress.at_boundary = True
+        c.progress.commit_boundary()
         for scheduler in c.lr_schedulers:
             scheduler.step()  # schedules count committed updates
         sync_buffers(c.model_buffers, c.session.group)
@@ -76,16 +76,15 @@ class UpdateLoop:
         """A micro-batch's backward has finished: count it; in mode acco the backward that completes the first
         half of the update hands off the estimate round."""
         c, p = self.ctx, self.ctx.progress
-        p.mb_in_update += 1
-        p.at_boundary = False
+        p.backward_done()
         m = p.microbatches_per_update
         if (c.options.estimates and m is not None and not p.estimate_in_update and p.mb_in_update == self.estimate_at(m)
                 and p.commits_handed_off >= c.options.synchronous_updates):
             c.session.check_open()
-            p.update_hyper = snapshot_hyperparams(c.param_groups)  # both rounds of one update use the same
+            p.take_hyper(snapshot_hyperparams(c.param_groups))  # both rounds of one update use the same
             c.driver.handoff(RoundKind.ESTIMATE, p.mb_in_update, m / (p.mb_in_update * c.world_size),
                              unscale=c.loss_scale.for_estimate())
-            p.estimate_in_update = True
+            p.estimate_handed_off()
 
     def estimate_at(self, m: int) -> int:
         """The micro-batches of an update before its estimate's hand-off (the first "half", or
@@ -103,8 +102,7 @@ class UpdateLoop:
                 "Call zero_grad() after step() (or before the update's first backward())"
             )
         self.ctx.flat.zero_grads(update_loop=True)
-        p.mb_in_update = 0
-        p.at_boundary = True
+        p.update_discarded()
 
     def step(self, grad_scaler: Any = None) -> None:
         """Hand off the update's commit round (synchronously when there is nothing to overlap it with).
@@ -140,12 +138,11 @@ class UpdateLoop:
         elif c.options.estimates and not p.estimate_in_update:
             synchronous = True  # a short update (fewer micro-batches than the estimate's): no estimate, no overlap
         if not p.estimate_in_update:
-            p.update_hyper = snapshot_hyperparams(c.param_groups)
+            p.take_hyper(snapshot_hyperparams(c.param_groups))
         # The error feedback corrects a step taken from a stale gradient: not a synchronous update's.
         c.driver.handoff(RoundKind.COMMIT, m, 1.0 / c.world_size, 0.0 if synchronous else c.options.delay_correction,
                          unscale)
-        p.mb_in_update = 0
-        p.estimate_in_update = False
+        p.update_handed_off()
         after_handoff(c, RoundKind.COMMIT, synchronous)
 
     def _learn_microbatches(self, m: int) -> None:
@@ -161,7 +158,7 @@ class UpdateLoop:
             raise ValueError(V.ACCO_NEEDS_TWO.format(m=m))
         if self.ctx.options.estimate_microbatches is not None:
             V.check_estimate_within(self.ctx.options.estimate_microbatches, m)
-        self.ctx.progress.microbatches_per_update = m
+        self.ctx.progress.learned(m)
         log.info("acco: %d micro-batches per update (learned from the first update, which ran synchronously)", m)
 
 
@@ -190,9 +187,7 @@ class ElasticLoop:
                 "(no loss scaling), or use the default loop (backward() on each micro-batch, one step() per update)")
         c, p = self.ctx, self.ctx.progress
         c.flat.fold(c.options.clip_hint)
-        p.at_boundary = False
-        p.since_handoff += 1
-        p.in_accum += 1
+        p.folded()
         if p.since_handoff < c.options.min_microbatches:
             return
         # Accumulate while you communicate: keep computing while the round is in flight, unless the bound is reached.
@@ -200,10 +195,8 @@ class ElasticLoop:
             return
         kind = round_kind(c.options.mode, p.num_rounds)
         count = p.in_accum
-        if kind is RoundKind.COMMIT:
-            p.in_accum = 0
-        p.since_handoff = 0
+        p.elastic_handed_off(commit=kind is RoundKind.COMMIT)
         if not c.options.estimates or kind is RoundKind.ESTIMATE:
-            p.update_hyper = snapshot_hyperparams(c.param_groups)  # both rounds of one acco update use the same
+            p.take_hyper(snapshot_hyperparams(c.param_groups))  # both rounds of one acco update use the same
         c.driver.handoff(kind, count, None)
         after_handoff(c, kind, c.options.synchronous)

@@ -262,12 +262,12 @@ def check_supported(shards: LocalShards, group: Optional[dist.ProcessGroup], *, 
                 f"mesh. {works}")
 
 
-def warn_short_update(mode: str, seen: int, expected: Optional[int]) -> None:
+def warn_short_update(mode: Any, seen: int, expected: Optional[int]) -> None:
     """At ``step()`` in mode acco: an update whose gradients reached the optimizer in fewer backward passes than
     ``microbatches_per_update`` has no estimate round (it commits synchronously, as a short update at the end
     of an epoch does). With FSDP2 the usual cause is ``set_requires_gradient_sync(False)``: its gradients
     arrive at the last micro-batch only, so every update loses ACCO's overlap."""
-    if mode == "acco" and expected is not None and 0 < seen < expected:
+    if mode.estimates and expected is not None and 0 < seen < expected:
         warnings.warn(
             f"AccoOptimizer: this update's gradients arrived in {seen} backward pass(es), not "
             f"microbatches_per_update={expected}: it has no estimate round and commits synchronously. With "

@@ -331,7 +331,7 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
     def microbatches_per_update(self, value: Optional[int]) -> None:
         if value is not None and self.estimate_microbatches is not None:
             V.check_estimate_within(self.estimate_microbatches, value)
-        self._runtime.progress.microbatches_per_update = value
+        self._runtime.progress.learned(value)
 
     @property
     def _failed(self) -> Optional[BaseException]:

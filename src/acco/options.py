@@ -17,6 +17,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from . import _validation as V
+from .modes import Mode
 
 __all__ = ["Options", "check_arguments", "resolve"]
 
@@ -25,7 +26,7 @@ __all__ = ["Options", "check_arguments", "resolve"]
 class Options:
     """The resolved settings (docs/options.md); ``AccoOptimizer``'s attributes of the same names read them."""
 
-    mode: str  # "acco" | "dpu" | "sync"
+    mode: Mode  # what it implies: mode.estimates, .synchronous, .delayed (modes.py)
     optimizer_class: type
     placement: Optional[str]  # for a class acco does not know: "elementwise" | "whole"
     accumulate_while_communicating: bool
@@ -46,12 +47,12 @@ class Options:
     @property
     def estimates(self) -> bool:
         """Mode acco: each update has an estimate round (``theta~``) before its commit."""
-        return self.mode == "acco"
+        return self.mode.estimates
 
     @property
     def synchronous(self) -> bool:
         """Mode sync: every update runs to completion in ``step()`` (plain ZeRO-1)."""
-        return self.mode == "sync"
+        return self.mode.synchronous
 
     def clip_hint(self) -> str:
         """What to tell a user whose loop changed ``.grad`` (clipped it) before ``step()``."""
@@ -73,7 +74,7 @@ def check_arguments(*, mode: Any, optimizer_class: Any, placement: Any, assume_e
     to do."""
     placement = V.check_placement_option(placement, assume_elementwise)
     V.check_optimizer_class(optimizer_class)
-    V.check_mode(mode)
+    mode = V.check_mode(mode)
     V.check_handoffs(mode, microbatches_per_update, accumulate_while_communicating, min_microbatches, max_microbatches)
     V.check_clipping(max_grad_norm, nonfinite)
     V.check_timeout(timeout)

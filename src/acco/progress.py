@@ -11,7 +11,8 @@ Two kinds of field:
   update boundary, where the window is empty, so it is not saved:
   :meth:`Progress.start_window` empties it.
 
-Pure bookkeeping: no collective, no device work except the one device scalar
+Every field changes through a named transition below (a hand-off, a collect, a backward, a restore): the
+invariants live in this file, and no other module assigns a field. Pure bookkeeping: no collective, no device work except the one device scalar
 ``committed_mb`` (micro-batches of all ranks in the committed updates, summed
 on the device so that counting never synchronises).
 """
@@ -98,3 +99,81 @@ class Progress:
     def pending_microbatches(self) -> int:
         """Micro-batches accumulated but not committed (for error messages)."""
         return self.mb_in_update or self.in_accum
+
+    # ------------------------------------------------------------ transitions: the only writers of the fields
+
+    def backward_done(self) -> None:
+        """The update loop: a micro-batch's backward has ended."""
+        self.mb_in_update += 1
+        self.at_boundary = False
+
+    def gradient_arrived(self) -> None:
+        """A parameter's gradient reached the buffer: no longer at an update boundary."""
+        self.at_boundary = False
+
+    def estimate_handed_off(self) -> None:
+        """The update loop handed off this update's estimate (its hyper-parameters: :meth:`take_hyper`)."""
+        self.estimate_in_update = True
+
+    def take_hyper(self, hyper: List[Dict[str, Any]]) -> None:
+        """The hyper-parameters of the update (or round) about to be handed off."""
+        self.update_hyper = hyper
+
+    def update_handed_off(self) -> None:
+        """The update loop handed off this update's commit: its window closes."""
+        self.mb_in_update = 0
+        self.estimate_in_update = False
+
+    def update_discarded(self) -> None:
+        """``zero_grad()`` before the update's estimate: its micro-batches so far are gone."""
+        self.mb_in_update = 0
+        self.at_boundary = True
+
+    def commit_boundary(self) -> None:
+        """A commit was handed off: a checkpoint may be taken here."""
+        self.at_boundary = True
+
+    def learned(self, microbatches_per_update: Optional[int]) -> None:
+        """The update's micro-batch count, learned from the first update or set by the user."""
+        self.microbatches_per_update = microbatches_per_update
+
+    def folded(self) -> None:
+        """Accumulating while communicating: a micro-batch folded into the sum."""
+        self.at_boundary = False
+        self.since_handoff += 1
+        self.in_accum += 1
+
+    def elastic_handed_off(self, commit: bool) -> None:
+        """Accumulating while communicating: a round handed off (a commit takes the sum with it)."""
+        if commit:
+            self.in_accum = 0
+        self.since_handoff = 0
+
+    def round_handed_off(self, kind: RoundKind) -> None:
+        """The driver handed off a round."""
+        self.num_rounds += 1
+        if kind is RoundKind.COMMIT:
+            self.commits_handed_off += 1
+
+    def round_collected(self, kind: RoundKind, total_microbatches: torch.Tensor, skipped: Optional[bool]) -> None:
+        """The driver collected a round: a commit counts as an update; its weights wait for the swap."""
+        if kind is RoundKind.COMMIT:
+            self.num_updates += 1
+            self.committed_mb += total_microbatches  # compute side, ordered after the round
+            self.num_skipped_updates += int(bool(skipped))
+        self.pending = kind
+
+    def skipped_on_device(self, count: int) -> None:
+        """CUDA path: commits the device skipped, read from their reports."""
+        self.num_skipped_updates += count
+
+    def installed(self, kind: Optional[RoundKind]) -> None:
+        """The pending round's weights went into the model (``kind``), or were dropped (None)."""
+        if kind is not None:
+            self.holds_estimate = kind is RoundKind.ESTIMATE
+        self.pending = None
+
+    def committed_in_model(self) -> None:
+        """The model holds committed weights and nothing is pending (``finish()``, a consolidated load)."""
+        self.pending = None
+        self.holds_estimate = False

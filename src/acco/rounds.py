@@ -72,9 +72,9 @@ class RoundKind(enum.Enum):
     ESTIMATE = "estimate"
 
 
-def round_kind(mode: str, round_index: int) -> RoundKind:
-    """ACCO alternates estimate (even) / commit (odd); dpu and sync always commit."""
-    if mode == "acco" and round_index % 2 == 0:
+def round_kind(mode: Any, round_index: int) -> RoundKind:
+    """ACCO alternates estimate (even) / commit (odd); dpu and sync always commit (``mode``: a ``Mode``)."""
+    if mode.estimates and round_index % 2 == 0:
         return RoundKind.ESTIMATE
     return RoundKind.COMMIT
 

@@ -229,7 +229,7 @@ class Runtime:
     def describe(self) -> Dict[str, Any]:
         """What a state dict of this optimizer holds, independent of the world size (format 3)."""
         classes = list(dict.fromkeys(self.classes))
-        out = {"format": FORMAT_VERSION, "mode": self.options.mode,
+        out = {"format": FORMAT_VERSION, "mode": self.options.mode.value,
                "optimizer": "+".join(class_name(c) for c in classes), "layout": self.layout.describe(),
                "dtypes": f"compute {self.options.compute_dtype}, master {self.flat.master.dtype}"}
         if self.shards.any:  # the placements and this rank's model shard: another shard's state is refused
@@ -251,7 +251,7 @@ class Runtime:
             self.shards.take_grad(index)  # the DTensor gradient's local shard into the buffer
         self.flat.binding.after_accumulate(index)
         self.flat.arrivals.mark(index)  # this parameter has a gradient in the update (torch: .grad not None)
-        self.progress.at_boundary = False
+        self.progress.gradient_arrived()
         if not self.loop.queues_end_of_backward:
             return
         task = torch._C._current_graph_task_id()
@@ -353,7 +353,7 @@ class Runtime:
             session.finished = True
             driver.close(ok=driver.failed is None)
         self.flat.drop_accumulated()
-        self.progress.holds_estimate = False
+        self.progress.committed_in_model()
         self.progress.start_window()
         self.remove_hooks(closer)
 

@@ -45,6 +45,7 @@ import torch
 from .. import checkpoint as acco_checkpoint
 from .._validation import without_default_kernel_flags
 from ..ddp import disable_gradient_allreduce
+from ..modes import Mode
 from ..optimizer import AccoOptimizer
 from ._given import check_given_optimizer
 
@@ -91,7 +92,7 @@ class AccoTrainer(Trainer):
         self.acco_kwargs = dict(acco_kwargs or {})
         super().__init__(*args, **kwargs)
         steps = self.args.gradient_accumulation_steps
-        if acco_mode == "acco" and steps < 2 and "microbatches_per_update" not in self.acco_kwargs:
+        if Mode.parse(acco_mode).estimates and steps < 2 and "microbatches_per_update" not in self.acco_kwargs:
             raise ValueError(
                 f"AccoTrainer(acco_mode='acco') with TrainingArguments(gradient_accumulation_steps={steps}): ACCO "
                 "takes an estimate from the first half of each update's micro-batches, so it needs "

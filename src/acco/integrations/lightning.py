@@ -50,6 +50,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
+from ..modes import Mode
 from ..optimizer import AccoOptimizer
 from ._given import check_given_optimizer
 
@@ -145,7 +146,7 @@ class AccoStrategy(DDPStrategy):
             )
         steps = trainer.accumulate_grad_batches
         lm = trainer.lightning_module
-        if self.mode == "acco" and steps < 2 and lm is not None and lm.automatic_optimization:
+        if Mode.parse(self.mode).estimates and steps < 2 and lm is not None and lm.automatic_optimization:
             raise ValueError(
                 f"Trainer(accumulate_grad_batches={steps}) with strategy='acco' (mode 'acco'): ACCO takes an estimate "
                 "from the first half of each update's micro-batches, so it needs accumulate_grad_batches >= 2. Set "

@@ -108,8 +108,7 @@ def load_consolidated_state_dict(owners: StateOwners, sd: Dict[str, Any], params
     layout, wrapped, flat = owners.layout, owners.wrapped, owners.flat
     swapped = owners.session.view_swapped
     owners.driver.collect()
-    owners.progress.pending = None  # the master comes from the model's weights: those are now the committed ones
-    owners.progress.holds_estimate = False
+    owners.progress.committed_in_model()  # the master comes from the model's weights: now the committed ones
     pieces = layout.pieces(owners.rank)
     master = flat.master
     saved = {int(k): v for k, v in sd["state"].items()}
@@ -132,4 +131,4 @@ def load_consolidated_state_dict(owners: StateOwners, sd: Dict[str, Any], params
         for key, value in saved_group.items():
             if key != "params" and key not in IMPLEMENTATION_FLAGS:  # the kernel stays this run's (its device's)
                 group[key] = value
-    owners.progress.update_hyper = snapshot_hyperparams(owners.param_groups)
+    owners.progress.take_hyper(snapshot_hyperparams(owners.param_groups))

@@ -225,6 +225,6 @@ def load_state_dict(owners: StateOwners, sd: Dict[str, Any], checked: bool = Fal
             all_gather_flat(flat.comm_weights, flat.master.to(flat.compute_dtype), owners.session.collective_group())
     flat.reset()
     restore_hyper(owners.param_groups, sd["hyper"])
-    owners.progress.update_hyper = snapshot_hyperparams(owners.param_groups)
+    owners.progress.take_hyper(snapshot_hyperparams(owners.param_groups))
     if owners.loss_scale is not None:
         owners.loss_scale.load(float(sd["loss_scale"]) if "loss_scale" in sd else None)
