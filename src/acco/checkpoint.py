@@ -34,11 +34,11 @@ import torch.distributed as dist
 from .state import legacy as state_legacy
 from .agreement import first_line
 from .state.checksums import CheckpointError, checksums, replicated_only, verify
-from .progress import Progress
-from .state.format import FORMAT_VERSION, GATHERED, IMPLEMENTATION_FLAGS, check_compatible, decode_meta, parse_piece_key
+from .state.format import FORMAT_VERSION, GATHERED, IMPLEMENTATION_FLAGS, PIECE_SECTIONS, check_compatible, decode_meta
 from .state import io as state_io
 from .state.io import check_loadable, load_state_dict
-from .state.pieces import scalar_state, wanted
+from .state.pieces import scalar_state
+from .state.target import load_target, meta_template
 
 if TYPE_CHECKING:  # pragma: no cover
     from .optimizer import AccoOptimizer
@@ -210,7 +210,7 @@ def _no_optimizer_here(where: str, meta: Dict[str, Any], shard: Optional[str]) -
 
 
 COMPLETE = ".acco-complete"
-_PIECES = tuple(f"optim/{k}/" for k in ("master", "params", "state", "entries", "scalars"))
+_PIECES = tuple(f"optim/{k}/" for k in PIECE_SECTIONS)
 
 
 def latest(root: str) -> Optional[str]:
@@ -292,13 +292,13 @@ def load(path: str, optimizer: "AccoOptimizer", *, model: Optional[torch.nn.Modu
     if not meta_keys:
         raise _no_optimizer_here(where, meta, shard)
     # What the checkpoint holds is checked before anything (the model included) is touched.
-    head = {"optim": nest({"meta": _meta_template(meta_keys)})}
+    head = {"optim": nest({"meta": meta_template(meta_keys)})}
     read(head)
     owners = optimizer.runtime.owners
     info = decode_meta(unnest(head)["meta"])
     check_compatible(owners.describe, info, False, owners.rank, owners.world_size)
     sd: Dict[str, Any] = {
-        "optim": nest(_target(optimizer, meta, meta_keys, info, pre)),
+        "optim": nest(load_target(owners, meta, meta_keys, info, pre)),
         "extra": {k: v.clone() for k, v in (extra or {}).items()},
     }
     trained = {}  # the model's entries that are this optimizer's parameters: restored from its slices instead
@@ -328,51 +328,3 @@ def load(path: str, optimizer: "AccoOptimizer", *, model: Optional[torch.nn.Modu
         model.load_state_dict({**sd["model"], **{k: v.detach() for k, v in trained.items()}})
     load_state_dict(owners, optim, checked=True)
     return sd["extra"]
-
-
-def _meta_template(meta_keys) -> Dict[str, torch.Tensor]:
-    return {k: torch.zeros(shape, dtype=torch.int64 if len(shape) == 0 else torch.uint8) for k, shape in meta_keys.items()}
-
-
-def _target(optimizer: "AccoOptimizer", meta: Dict[str, Any], meta_keys, info, pre: str = "optim.") -> Dict[str, Any]:
-    """Empty tensors for ``dcp.load`` to fill: the saved pieces that overlap this rank's, every scalar of the
-    parameters it steps, the hyper-parameters, counters and description."""
-    owners = optimizer.runtime.owners
-    layout, rank = owners.layout, owners.rank
-    hyper = {k[len(pre + "hyper."):]: tuple(meta[k].size) for k in meta if k.startswith(pre + "hyper.")}
-    if state_legacy.is_legacy(info):
-        keys = {"state": [k[len(pre + "state."):] for k in meta if k.startswith(pre + "state.")],
-                "scalars": [k[len(pre + "scalars."):] for k in meta if k.startswith(pre + "scalars.")],
-                "hyper": hyper, "counters": len(Progress.SAVED), "meta": meta_keys}
-        return state_legacy.dcp_target(layout, rank, optimizer.process_group, optimizer.device,
-                                       optimizer.compute_dtype, owners.flat.master.dtype, keys)
-
-    def empty(k):
-        md = meta[k]
-        return torch.empty(tuple(md.size), dtype=md.properties.dtype)
-
-    saved: Dict[int, list] = {}
-    for k in meta:
-        if k.startswith(pre + "master."):
-            i, a = parse_piece_key(k[len(pre + "master."):])
-            saved.setdefault(i, []).append((a, int(torch.Size(meta[k].size).numel())))
-    out: Dict[str, Any] = {"master": {}, "params": {}, "state": {}, "entries": {}, "scalars": {},
-                           "hyper": {k: torch.zeros(shape, dtype=torch.float64) for k, shape in hyper.items()},
-                           "counters": torch.zeros(len(Progress.SAVED), dtype=torch.int64),
-                           "meta": _meta_template(meta_keys)}
-    if pre + "loss_scale" in meta:
-        out["loss_scale"] = torch.zeros((), dtype=torch.float64)
-    for i, a in wanted(layout, rank, saved):
-        key = f"{i}:{a}"
-        for section in ("master", "params", "entries"):
-            out[section][key] = empty(f"{pre}{section}.{key}")
-        head = f"{pre}state.{key}."
-        state = {k[len(head):]: empty(k) for k in meta if k.startswith(head)}
-        if state:
-            out["state"][key] = state
-    for i in layout.stepped_by(rank):
-        head = f"{pre}scalars.{i}."
-        scalars = {k[len(head):]: empty(k) for k in meta if k.startswith(head)}
-        if scalars:
-            out["scalars"][str(i)] = scalars
-    return out

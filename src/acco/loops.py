@@ -156,8 +156,7 @@ class UpdateLoop:
             )
         if m < 2:
             raise ValueError(V.ACCO_NEEDS_TWO.format(m=m))
-        if self.ctx.options.estimate_microbatches is not None:
-            V.check_estimate_within(self.ctx.options.estimate_microbatches, m)
+        self.ctx.options.check_microbatches(m)
         self.ctx.progress.learned(m)
         log.info("acco: %d micro-batches per update (learned from the first update, which ran synchronously)", m)
 

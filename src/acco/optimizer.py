@@ -329,8 +329,8 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
 
     @microbatches_per_update.setter
     def microbatches_per_update(self, value: Optional[int]) -> None:
-        if value is not None and self.estimate_microbatches is not None:
-            V.check_estimate_within(self.estimate_microbatches, value)
+        if value is not None:
+            self.options.check_microbatches(value)
         self._runtime.progress.learned(value)
 
     @property

@@ -54,6 +54,12 @@ class Options:
         """Mode sync: every update runs to completion in ``step()`` (plain ZeRO-1)."""
         return self.mode.synchronous
 
+    def check_microbatches(self, m: int) -> None:
+        """Refuse ``m`` micro-batches per update (given, learned or loaded) that leave none after the estimate's
+        hand-off (``estimate_microbatches``)."""
+        if self.estimate_microbatches is not None:
+            V.check_estimate_within(self.estimate_microbatches, m)
+
     def clip_hint(self) -> str:
         """What to tell a user whose loop changed ``.grad`` (clipped it) before ``step()``."""
         if self.max_grad_norm is None:

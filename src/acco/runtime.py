@@ -170,7 +170,7 @@ class Runtime:
             layout=self.layout, rank=self.rank, world_size=self.world_size, flat=self.flat, wrapped=self.wrapped,
             progress=self.progress, driver=self.driver, scheduler=self.scheduler, param_groups=param_groups,
             describe=self.describe(), session=self.session, process_group=user,
-            estimate_microbatches=o.estimate_microbatches, loss_scale=self.loss_scale)
+            check_microbatches=o.check_microbatches, loss_scale=self.loss_scale)
         self.loop = self._make_loop()
         self._ddp_checked = False
         self._backward_queued = -1  # id of the autograd graph task whose end-of-backward callback is queued

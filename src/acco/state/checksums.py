@@ -26,7 +26,7 @@ log = logging.getLogger("acco")
 _CHUNK = 1 << 20  # words per step of a checksum: its temporaries stay small
 
 
-def _partial_checksum(t: torch.Tensor, start: int) -> torch.Tensor:
+def partial_checksum(t: torch.Tensor, start: int) -> torch.Tensor:
     """Sum over the tensor's bit words ``w_i`` of ``w_i * (2 (start + i) + 1)`` in wrapping int64.
 
     Order-sensitive; changes with any single changed word (the weights are odd); additive over slices when
@@ -44,11 +44,11 @@ def _partial_checksum(t: torch.Tensor, start: int) -> torch.Tensor:
     return total.cpu()
 
 
-def _leaves(tree: Dict[str, Any], prefix: str = ""):
+def leaves(tree: Dict[str, Any], prefix: str = ""):
     for key, value in tree.items():
         path = f"{prefix}{key}"
         if isinstance(value, dict):
-            yield from _leaves(value, path + "/")
+            yield from leaves(value, path + "/")
         elif torch.is_tensor(value) and not is_dtensor(value):
             # A DTensor (a model's sharded entry) is left out: DCP saves it sharded, and one rank's checksum of
             # its local shard would be checked against another shard's (trained ones are checked as the
@@ -58,7 +58,7 @@ def _leaves(tree: Dict[str, Any], prefix: str = ""):
 
 def checksums(tree: Dict[str, Any]) -> Dict[str, torch.Tensor]:
     """One checksum per tensor of ``tree``, keyed by its path (``"optim/master/3:0"``)."""
-    return {path: _partial_checksum(t, 0) for path, t in _leaves(tree)}
+    return {path: partial_checksum(t, 0) for path, t in leaves(tree)}
 
 
 def replicated_only(sums: Dict[str, torch.Tensor], group: Optional[dist.ProcessGroup],

@@ -35,11 +35,13 @@ import torch
 
 from ..errors import ShardOfAnotherRankError
 
-__all__ = ["AccoStateDict", "FORMAT_VERSION", "GATHERED", "ShardOfAnotherRankError", "SHARD_FIX", "IMPLEMENTATION_FLAGS", "StateOwners", "check_compatible", "classify",
+__all__ = ["AccoStateDict", "FORMAT_VERSION", "PIECE_SECTIONS", "empty_sections", "GATHERED", "ShardOfAnotherRankError", "SHARD_FIX", "IMPLEMENTATION_FLAGS", "StateOwners", "check_compatible", "classify",
            "decode_meta", "encode_meta", "hyper_entries", "own_entry", "piece_key", "parse_piece_key",
            "restore_hyper"]
 
 FORMAT_VERSION = 3
+# The per-piece sections of a state dict (format 3), in this order wherever they are written or read.
+PIECE_SECTIONS = ("master", "params", "state", "entries", "scalars")
 GATHERED = "acco_ranks"  # acco.checkpoint.gather(): every rank's state_dict(), in rank order
 
 # Param-group keys that choose how the wrapped optimizer computes, not what: neither saved nor restored, so a
@@ -69,7 +71,8 @@ class StateOwners:
     describe: Dict[str, Any]
     session: Any  # the agreement exchange, the collectives' group, the committed-weights view (session.py)
     process_group: Any
-    estimate_microbatches: Optional[int] = None  # the option, checked against a loaded microbatches_per_update
+    # Options.check_microbatches: refuses a loaded microbatches_per_update the options cannot run with
+    check_microbatches: Any = None
     loss_scale: Any = None  # what the optimizer knows of a GradScaler (amp.LossScale): its scale is saved
 
 
@@ -105,6 +108,11 @@ class AccoStateDict(dict):
     def __reduce_ex__(self, protocol: Any) -> Any:
         # As a module's state dict pickles (an OrderedDict is one of weights_only's allowed globals; dict is not)
         return (OrderedDict, (), None, None, iter(self.items()))
+
+
+def empty_sections() -> Dict[str, Dict[str, Any]]:
+    """The per-piece sections, empty (:data:`PIECE_SECTIONS`)."""
+    return {k: {} for k in PIECE_SECTIONS}
 
 
 def piece_key(index: int, start: int) -> str:

@@ -11,7 +11,6 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from .. import _validation as V
 from . import legacy as state_legacy
 from ..agreement import snapshot_hyperparams
 from .checksums import checksums, verify
@@ -193,9 +192,9 @@ def check_loadable(owners: StateOwners, sd: Dict[str, Any], restore_model: bool 
                 f"otherwise build the optimizer with microbatches_per_update={saved_m}. Nothing was loaded."
             )
         in_force = mine_m if mine_m is not None else saved_m
-        if owners.estimate_microbatches is not None and in_force is not None:
+        if in_force is not None:
             try:
-                V.check_estimate_within(owners.estimate_microbatches, in_force)
+                owners.check_microbatches(in_force)
             except ValueError as exc:
                 raise ValueError(f"AccoOptimizer.load_state_dict(): {exc}. Nothing was loaded.") from None
         require_boundary(owners, "load_state_dict")

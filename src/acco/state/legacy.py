@@ -16,8 +16,8 @@ from typing import Any, Dict
 import torch
 import torch.distributed as dist
 
-from .checksums import _leaves, _partial_checksum
-from .format import piece_key
+from .checksums import leaves, partial_checksum
+from .format import empty_sections, piece_key
 
 __all__ = ["checksums", "dcp_checksums", "dcp_target", "is_legacy", "to_saved"]
 
@@ -35,7 +35,7 @@ def to_saved(layout: Any, rank: int, sd: Dict[str, Any]) -> Dict[str, Any]:
     pieces (``pieces.Saved`` reads the result)."""
     master, params = _local(sd["master"]), _local(sd["params"])
     state = {k: _local(v) for k, v in sd["state"].items()}
-    out: Dict[str, Dict[str, Any]] = {"master": {}, "params": {}, "state": {}, "entries": {}, "scalars": {}}
+    out: Dict[str, Dict[str, Any]] = empty_sections()
     for i, pc in enumerate(layout.pieces(rank)):
         out["scalars"][str(i)] = {k: v[i].reshape(()) for k, v in sd["scalars"].items()}
         if not pc.numel:
@@ -52,9 +52,9 @@ def checksums(tree: Dict[str, Any], rank: int, shard_size: int) -> Dict[str, tor
     """Format 2's checksums of a rank's own state dict: its slices weighted from the rank's offset in the flat
     buffer (so that they add up over ranks), the rest from 0."""
     out = {}
-    for path, t in _leaves(tree):
+    for path, t in leaves(tree):
         sliced = path in ("optim/master", "optim/params") or path.startswith("optim/state/")
-        out[path] = _partial_checksum(t, rank * shard_size if sliced else 0)
+        out[path] = partial_checksum(t, rank * shard_size if sliced else 0)
     return out
 
 
@@ -63,12 +63,12 @@ def dcp_checksums(tree: Dict[str, Any], rank: int, shard_size: int, group: Any,
     """Format 2's checksums of what a DCP load read: a flat (DTensor) entry's is the sum of every rank's
     slice's, weighted from its offset (one all-reduce on ``group``: collective); the rest from 0."""
     out, sharded = {}, []
-    for path, t in _leaves(tree):
+    for path, t in leaves(tree):
         if hasattr(t, "to_local"):
-            out[path] = _partial_checksum(t.to_local(), rank * shard_size)
+            out[path] = partial_checksum(t.to_local(), rank * shard_size)
             sharded.append(path)
         else:
-            out[path] = _partial_checksum(t, 0)
+            out[path] = partial_checksum(t, 0)
     if sharded and group is not None and dist.is_initialized():
         parts = torch.stack([out[k] for k in sharded]).to(device)
         dist.all_reduce(parts, group=group)  # the sum of the slices' checksums: the whole tensor's

@@ -12,7 +12,7 @@ import torch
 
 from .checksums import CheckpointError
 from ..collectives import all_gather_flat
-from .format import StateOwners, parse_piece_key, piece_key
+from .format import StateOwners, empty_sections, parse_piece_key, piece_key
 
 __all__ = ["Saved", "entries", "restore", "scalar_state", "wanted"]
 
@@ -26,7 +26,7 @@ def entries(owners: StateOwners) -> Dict[str, Dict[str, Any]]:
     ``scalars`` (AdamW's ``step``: the same in every piece of a parameter, so on every rank that steps one)."""
     swapped = owners.session.view_swapped
     pieces = owners.layout.pieces(owners.rank)
-    out: Dict[str, Dict[str, Any]] = {"master": {}, "params": {}, "state": {}, "entries": {}, "scalars": {}}
+    out: Dict[str, Dict[str, Any]] = empty_sections()
     for i, _ in owners.wrapped.held():
         pc = pieces[i]
         tensors, scalars = {}, {}
