@@ -25,9 +25,9 @@ LAYERS = {
     4: ["options", "buffers", "progress", "state.pieces", "state.legacy"],
     3: ["rounds", "_validation", "state.checksums"],
     2: ["wrapped", "scheduler", "mesh", "grads", "session", "hooks", "state.format", "introspection",
-        "integrations._given"],
+        "integrations._given", "round_checks", "precision"],
     1: ["modes", "errors", "device_api", "placement", "arrivals", "functional", "snapshot", "collectives",
-        "agreement", "amp", "ddp", "stats", "launch"],
+        "agreement", "amp", "ddp", "stats", "launch", "shard_buffers"],
 }
 PACKAGES = {"acco": 10, "state": 0, "integrations": 10}  # the packages' __init__: re-exports (state's: nothing)
 

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from acco._validation import resolve_estimate_dtype, resolve_estimate_extrapolation
+from acco._validation import resolve_estimate_extrapolation
+from acco.precision import resolve_estimate_dtype
 from acco.modes import Mode
 from acco.placement import Layout
 from acco.rounds import clip_coefficient

@@ -13,7 +13,7 @@ Per rank, with ``P`` the padded number of trainable elements and ``N`` ranks
 * ``comm``: the round's buffer: gradients out (accumulation dtype), the
   all-gathered weights back in the same memory (``comm_weights``, compute
   dtype), installed into the parameters at the theta/theta~ swap;
-* this rank's ``P/N`` slices (:class:`~acco.rounds.ShardBuffers`): the master
+* this rank's ``P/N`` slices (:class:`~acco.shard_buffers.ShardBuffers`): the master
   weights, the reduce-scatter's gradient slice, a compute-dtype staging slice
   when the dtypes differ, and the few scalars of a round.
 
@@ -29,7 +29,7 @@ import torch
 from . import arrivals as _arrivals
 from .grads import GradBinding
 from .placement import Layout
-from .rounds import ShardBuffers
+from .shard_buffers import ShardBuffers
 from .stats import nbytes
 
 __all__ = ["FlatBuffers"]

@@ -232,3 +232,36 @@ def all_reduce_sum(t: torch.Tensor, group: Optional[dist.ProcessGroup]) -> None:
     """Sum ``t`` over ranks in place. Collective."""
     if group is not None:
         dist.all_reduce(t, op=dist.ReduceOp.SUM, group=group)
+
+
+def resolve_process_group(process_group: Optional[dist.ProcessGroup]) -> Optional[dist.ProcessGroup]:
+    """The group to use (a 1-D ``DeviceMesh``, e.g. ``mesh["dp"]``, stands for its group); ``None`` means one
+    process without collectives."""
+    if type(process_group).__name__ == "DeviceMesh":
+        if process_group.ndim != 1:
+            raise ValueError(
+                f"process_group is a {process_group.ndim}-D DeviceMesh {process_group.mesh_dim_names}: pass the one "
+                "data-parallel dimension ACCO runs over, e.g. mesh['dp'] (tensor parallelism stays on mesh['tp'])")
+        process_group = process_group.get_group()
+    if process_group is not None:
+        if not dist.is_available() or not dist.is_initialized():
+            raise RuntimeError("process_group given but torch.distributed is not initialised: call "
+                               "torch.distributed.init_process_group(...) first")
+        if dist.get_rank(process_group) < 0:
+            raise ValueError(
+                f"this process (global rank {dist.get_rank()}) is not a member of the given process_group "
+                f"(ranks {dist.get_process_group_ranks(process_group)}): build AccoOptimizer only on the group's "
+                "ranks, with the group's own handle"
+            )
+        return process_group
+    if dist.is_available() and dist.is_initialized():
+        return dist.group.WORLD
+    world = os.environ.get("WORLD_SIZE")
+    if world is not None and world.isdigit() and int(world) > 1:
+        raise RuntimeError(
+            f"WORLD_SIZE={world} but torch.distributed is not initialised: call "
+            "torch.distributed.init_process_group(...) before building AccoOptimizer (with a Hugging Face "
+            "Trainer, use acco.integrations.hf.AccoTrainer: it builds the optimizer once TrainingArguments has "
+            "initialised torch.distributed)"
+        )
+    return None

@@ -17,6 +17,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from . import _validation as V
+from . import precision as P
 from .modes import Mode
 
 __all__ = ["Options", "check_arguments", "resolve"]
@@ -104,9 +105,9 @@ def resolve(checked: dict, *, param_dtype: torch.dtype, world_size: int, compute
     the compute dtype; the reduce dtype from the accumulation dtype; ``estimate_dtype="auto"`` from all three),
     and ``estimate_extrapolation="auto"`` against the groups' optimizer ``classes``."""
     compute = compute_dtype or param_dtype
-    accumulation = V.check_accumulation_dtype(accumulation_dtype, compute)
-    reduce = V.check_reduce_dtype(reduce_dtype, accumulation, compute)
-    estimate = V.resolve_estimate_dtype(estimate_dtype, checked["mode"], compute, reduce, world_size)
+    accumulation = P.check_accumulation_dtype(accumulation_dtype, compute)
+    reduce = P.check_reduce_dtype(reduce_dtype, accumulation, compute)
+    estimate = P.resolve_estimate_dtype(estimate_dtype, checked["mode"], compute, reduce, world_size)
     extrapolation = V.resolve_estimate_extrapolation(
         checked["estimate_extrapolation"], checked["mode"], checked["accumulate_while_communicating"],
         checked["estimate_microbatches"], classes)

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass
-from typing import Any, Dict, FrozenSet, List, Optional, Sequence, Tuple
+from typing import Any, Dict, FrozenSet, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -43,6 +43,9 @@ import torch.distributed as dist
 from . import arrivals, functional
 from .errors import HyperParameterMismatchError, NonFiniteGradientError, RoundFailedError, RoundMismatchError
 from .collectives import all_gather_flat, all_reduce_sum, reduce_scatter_flat
+from .round_checks import (RoundReport, check_pairs_on_host, hyper_mismatch_message, mark_call, nonfinite_message,
+                           round_mismatch_message)
+from .shard_buffers import ShardBuffers
 from .snapshot import OptimizerSnapshot, skips_in_kernel
 from .wrapped import WrappedOptimizers, local_step
 
@@ -79,43 +82,6 @@ def round_kind(mode: Any, round_index: int) -> RoundKind:
     return RoundKind.COMMIT
 
 
-@dataclass
-class ShardBuffers:
-    """This rank's buffers for a round.
-
-    ``comm``: full padded flat buffer: gradients out (accumulation dtype).
-    ``weights``: ``comm``'s memory as the compute dtype (``comm`` itself when the
-    dtypes agree): the all-gathered weights come back there, after the
-    reduce-scatter has read the gradients.
-    ``master``/``grad``: this rank's fp32 slice; the wrapped optimizer's
-    parameters and their ``.grad`` are views into them.
-    ``staging``: a compute-dtype slice, used only when compute and master
-    dtypes differ (sends the all-gather).
-    ``grad_staging``: receives the reduce-scatter when the accumulation and
-    master dtypes differ (``staging`` itself when it has that dtype).
-    ``count``: one element on the device, the micro-batch count over all ranks.
-    ``rank_counts``: one element per rank, each rank's micro-batch count.
-    ``row``/``rows``: this rank's ``[micro-batch count, hyper-parameter fingerprint,
-    round id]`` and every rank's, end to end (one all-gather carries all three).
-    """
-
-    comm: torch.Tensor
-    weights: torch.Tensor
-    master: torch.Tensor
-    grad: torch.Tensor
-    count: torch.Tensor
-    rank_counts: torch.Tensor
-    row: Optional[torch.Tensor] = None
-    rows: Optional[torch.Tensor] = None
-    staging: Optional[torch.Tensor] = None
-    grad_staging: Optional[torch.Tensor] = None
-    collectives: str = "native"  # or "ring": the reduce-scatter and all-gather (collectives.ring_algorithm)
-    # estimate_dtype: an estimate round's gradients out and weights back in the first bytes of ``comm``, through
-    # a slice of that dtype (the commit round stays in full precision)
-    comm_low: Optional[torch.Tensor] = None
-    low_slice: Optional[torch.Tensor] = None
-    host_empty: Any = None  # (shape, dtype) -> a host tensor the device writes without blocking (device checks)
-    all_arrived: Optional[torch.Tensor] = None  # the row's arrival bits with every parameter's set (arrivals.pack)
 
 
 @dataclass
@@ -165,13 +131,6 @@ class RoundResult:
     # Decided on the device (CUDA path): a host copy of RoundReport's fields, valid once the round's end
     # event has completed; the optimizer reads it then and raises what the CPU path raises in the round.
     report: Optional[torch.Tensor] = None
-
-
-class RoundReport:
-    """The fields of ``RoundResult.report``: ``[round ids differ, hyper-parameters differ, non-finite, norm,
-    round id of rank 0, ..., round id of rank N-1]`` (float64)."""
-
-    ROUND_MISMATCH, HYPER_MISMATCH, NONFINITE, NORM, IDS = 0, 1, 2, 3, 4
 
 
 def global_grad_norm(grad_shard: torch.Tensor, group: Optional[dist.ProcessGroup],
@@ -298,7 +257,7 @@ def _exchange_rows(ctx: RoundContext, spec: RoundSpec) -> Tuple[torch.Tensor, Fr
     b.rank_counts.copy_(pairs[:, 0])
     torch.sum(b.rank_counts, dim=0, keepdim=True, out=b.count)
     if not ctx.device_checks:
-        _check_pairs_on_host(spec.kind, pairs)
+        check_pairs_on_host(spec.kind, pairs)
     unused: FrozenSet[int] = frozenset()
     if spec.missing:
         # Only a rank that lacks a gradient needs the others' bits: this rank had every other parameter's, so
@@ -368,7 +327,7 @@ def _decide(ctx: RoundContext, kind: RoundKind, pairs: torch.Tensor, norm: torch
                 or (snapshot is not None and snapshot.restorable_on_device(stepped, b.master))):
             undo = flags.any()
         else:  # the first step (it creates state), or a step counter on the CPU: the host decides
-            _check_pairs_on_host(kind, pairs)  # a host sync here anyway: raise as the CPU path does
+            check_pairs_on_host(kind, pairs)  # a host sync here anyway: raise as the CPU path does
             skipped = bool(nonfinite_flag)
             if skipped and nonfinite == "raise":
                 raise NonFiniteGradientError(nonfinite_message(kind.value, float(norm)))
@@ -465,70 +424,3 @@ def report_outcome(result: RoundResult, nonfinite: str) -> Tuple[Optional[BaseEx
     return None, False
 
 
-# The first column of a round's row is its micro-batch count (>= 0); a public collective call's exchange on the
-# rounds' group (mark_call) sends -1 - its index in agreement.COLLECTIVE_CALLS there instead.
-def mark_call(ctx: "RoundContext", call_index: int, round_id: int) -> None:
-    """A public collective call's first exchange on the rounds' own group, shaped as a round's first
-    collective: a rank still in a round it handed off (one update ahead of the others) meets it there, and
-    every rank raises :class:`RoundMismatchError` naming the call. Collective on the round group."""
-    b = ctx.buffers
-    for i, value in enumerate((float(-1 - call_index), 0.0, float(round_id))):
-        b.row[i].fill_(value)
-    all_gather_flat(b.rows, b.row, ctx.group)  # every rank's [call mark or micro-batch count, ., round id]
-    _check_pairs_on_host(None, b.rows.view(-1, b.row.numel())[:, :3])  # a host sync: not on the hot path
-
-
-def _check_pairs_on_host(kind: Optional[RoundKind], pairs: torch.Tensor) -> None:
-    """CPU path: raise on every rank alike if the ranks handed off different rounds or hyper-parameters, or
-    some are in a public collective call while others are in a round."""
-    ids = pairs[:, 2].tolist()  # a host sync, on the round's own thread
-    counts = pairs[:, 0].tolist()
-    if all(c < 0 for c in counts):
-        return  # every rank is in a public call: which ones, the call's own exchange on the control group says
-    if any(c < 0 for c in counts):
-        raise RoundMismatchError(call_mismatch_message(counts, ids))
-    if len(set(ids)) > 1:
-        raise RoundMismatchError(round_mismatch_message(ids))
-    if not bool((pairs[:, 1] == pairs[0, 1]).all()):
-        raise HyperParameterMismatchError(hyper_mismatch_message(kind.value))
-
-
-def call_mismatch_message(counts: Sequence[float], ids: Sequence[float]) -> str:
-    from .agreement import COLLECTIVE_CALLS
-
-    def where(c: float, i: float) -> str:
-        if c < 0:
-            return f"in {COLLECTIVE_CALLS[int(-1 - c)]} (after {int(i) // 2} rounds)"
-        return f"in round {int(i) // 2} ({'an estimate' if int(i) % 2 else 'a commit'}) of an update it began"
-
-    described = ", ".join(f"rank {r} {where(c, i)}" for r, (c, i) in enumerate(zip(counts, ids)))
-    calls = sorted({COLLECTIVE_CALLS[int(-1 - c)] for c in counts if c < 0})
-    return (
-        f"the ranks ran different numbers of updates: {described}. Every rank must run the same number of "
-        f"updates (e.g. loop while opt.next_update_index < total_updates), then call {' / '.join(calls)} on "
-        "every rank"
-    )
-
-
-def round_mismatch_message(ids: Sequence[float]) -> str:
-    described = [f"round {int(i) // 2} {'estimate' if int(i) % 2 else 'commit'}" for i in ids]
-    return (
-        f"the ranks handed off different rounds ({described}, rank i at index i): usually some rank ran a "
-        "different number of micro-batches in an update (an uneven data shard at the end of an epoch). "
-        "Give every rank the same number of micro-batches per update"
-    )
-
-
-def hyper_mismatch_message(kind: str) -> str:
-    return (
-        f"{kind} round: the ranks handed it off with different hyper-parameters (lr, betas, "
-        "weight_decay, ... of the param groups): a scheduler or your code changed them on some ranks only. "
-        "Change them on every rank alike (e.g. step the scheduler on every rank)"
-    )
-
-
-def nonfinite_message(kind: str, norm: float) -> str:
-    return (
-        f"{kind} round: the averaged gradient's norm is {norm} (inf/NaN); "
-        "pass nonfinite='skip' to skip such updates instead"
-    )

@@ -27,13 +27,15 @@ from . import agreement, device_api, hooks, mesh
 from . import ddp as _ddp
 from .amp import LossScale
 from .buffers import FlatBuffers
-from .collectives import connect, group_rank, group_size, new_local_group, new_round_group, ring_algorithm
+from .collectives import (connect, group_rank, group_size, new_local_group, new_round_group, resolve_process_group,
+                          ring_algorithm)
 from .driver import RoundDriver
 from .loops import ElasticLoop, LoopContext, UpdateLoop
 from .mesh import LocalShards
 from .options import Options
 from .options import resolve as resolve_options
 from .placement import Layout
+from .precision import check_dtypes
 from .progress import Progress
 from .rounds import OptimizerSnapshot, RoundContext, RoundKind
 from .scheduler import StreamScheduler
@@ -133,9 +135,9 @@ class Runtime:
         device = self.params[0].device
         # DTensor parameters (tensor parallel, FSDP2): ACCO works on each rank's local shards (the same storage).
         self.shards = LocalShards(self.params, device_api.stream_api(device))
-        V.check_dtypes(self.params[0].dtype, compute_dtype)
+        check_dtypes(self.params[0].dtype, compute_dtype)
         self.classes = list(classes)
-        user = V.resolve_process_group(process_group)
+        user = resolve_process_group(process_group)
         self.world_size, self.rank = group_size(user), group_rank(user)
         # The configuration, resolved once (dtypes against the parameters and the group): read-only from here on.
         self.options: Options = resolve_options(
