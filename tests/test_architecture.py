@@ -27,7 +27,7 @@ LAYERS = {
     2: ["wrapped", "scheduler", "mesh", "grads", "session", "hooks", "state.format", "introspection",
         "integrations._given", "round_checks", "precision"],
     1: ["modes", "errors", "device_api", "placement", "arrivals", "functional", "snapshot", "collectives",
-        "agreement", "amp", "ddp", "stats", "launch", "shard_buffers"],
+        "agreement", "amp", "ddp", "stats", "launch", "shard_buffers", "torch_hooks"],
 }
 PACKAGES = {"acco": 10, "state": 0, "integrations": 10}  # the packages' __init__: re-exports (state's: nothing)
 

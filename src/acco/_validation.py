@@ -109,6 +109,25 @@ def check_fresh_optimizer(optimizer: Any, options: Dict[str, Any]) -> None:
         )
 
 
+def from_optimizers(optimizer: Any, options: Dict[str, Any]) -> tuple:
+    """``AccoOptimizer.from_optimizer``'s arguments: the groups of fresh torch optimizers (each with its class
+    when there are several), the first one's class, and its constructor defaults under ``options``."""
+    optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
+    if not optimizers:
+        raise ValueError("AccoOptimizer.from_optimizer() got an empty list: pass a torch optimizer, or several")
+    for o in optimizers:
+        check_fresh_optimizer(o, options)
+    # torch's own kernel flags (fused=None, capturable=False, ...) are no choice: the device's default applies
+    if len(optimizers) == 1:
+        groups = [without_default_kernel_flags(g, type(optimizers[0])) for g in optimizers[0].param_groups]
+    else:
+        groups = [{**without_default_kernel_flags(g, type(o)), "optimizer_class": type(o)}
+                  for o in optimizers for g in o.param_groups]
+    first = optimizers[0]
+    defaults = without_default_kernel_flags(constructor_defaults(first), type(first))
+    return groups, type(first), {**defaults, **options}
+
+
 def constructor_defaults(optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
     """The optimizer's ``defaults`` its constructor accepts (torch's AdamW keeps ``decoupled_weight_decay``
     in ``defaults`` but does not take it as an argument)."""

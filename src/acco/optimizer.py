@@ -38,6 +38,7 @@ from .introspection import Introspection
 from .options import Options, check_arguments
 from .runtime import Runtime, make_closer
 from .state import io as state_io
+from .torch_hooks import load_with_hooks, state_dict_with_hooks
 
 
 __all__ = ["AccoOptimizer", "hyper_fingerprint"]
@@ -273,20 +274,8 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         yet: their state would be lost (load a checkpoint into the ``AccoOptimizer`` instead). Collective, as
         construction is.
         """
-        optimizers = list(optimizer) if isinstance(optimizer, (list, tuple)) else [optimizer]
-        if not optimizers:
-            raise ValueError("AccoOptimizer.from_optimizer() got an empty list: pass a torch optimizer, or several")
-        for o in optimizers:
-            V.check_fresh_optimizer(o, options)
-        # torch's own kernel flags (fused=None, capturable=False, ...) are no choice: the device's default applies
-        if len(optimizers) == 1:
-            groups = [V.without_default_kernel_flags(g, type(optimizers[0])) for g in optimizers[0].param_groups]
-        else:
-            groups = [{**V.without_default_kernel_flags(g, type(o)), "optimizer_class": type(o)}
-                      for o in optimizers for g in o.param_groups]
-        first = optimizers[0]
-        defaults = V.without_default_kernel_flags(V.constructor_defaults(first), type(first))
-        return cls(groups, type(first), **{**defaults, **options})
+        groups, optimizer_class, kwargs = V.from_optimizers(optimizer, options)
+        return cls(groups, optimizer_class, **kwargs)
 
     # ------------------------------------------------------------------ state owned elsewhere
 
@@ -382,14 +371,7 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         Collective: call on all ranks.
         """
         rt = self._runtime
-        rt.begin_step(grad_scaler)
-        if grad_scaler is None and ("grad_scale" in self.__dict__ or "found_inf" in self.__dict__):
-            # A GradScaler that no longer hands itself to step(): the gradients would be used scaled.
-            raise RuntimeError(
-                "AccoOptimizer.step(): this torch's GradScaler set optimizer.grad_scale/found_inf instead of passing "
-                "grad_scaler= to step(), a protocol acco does not support yet (its rounds unscale the averaged "
-                f"gradient; torch {torch.__version__}). Train in bf16 without a GradScaler, or use a torch acco "
-                "was tested with (docs/usage.md)")
+        rt.begin_step(grad_scaler, self.__dict__)
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -435,14 +417,7 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         round. Local: no collective. The hooks of ``register_state_dict_pre_hook``/``_post_hook`` run as on a
         torch optimizer.
         """
-        for pre_hook in list(self._optimizer_state_dict_pre_hooks.values()):
-            pre_hook(self)
-        state_dict = state_io.state_dict(self._runtime.owners)
-        for post_hook in list(self._optimizer_state_dict_post_hooks.values()):
-            result = post_hook(self, state_dict)
-            if result is not None:
-                state_dict = result
-        return state_dict
+        return state_dict_with_hooks(self, lambda: state_io.state_dict(self._runtime.owners))
 
     def sharded_state_dict(self) -> Dict[str, Any]:
         """The state for ``torch.distributed.checkpoint``: each rank's pieces keyed by parameter and first
@@ -461,16 +436,8 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         with this optimizer's count (keep the global batch when the number of ranks changes). Checkpoints of
         format 2 (acco before per-parameter state) load too. Collective: call on all ranks. The hooks of
         ``register_load_state_dict_pre_hook``/``_post_hook`` run as on a torch optimizer."""
-        if isinstance(state_dict, dict):
-            state_dict = dict(state_dict)  # shallow copy, as torch's load does, so a pre-hook may edit it
-        for pre_hook in list(self._optimizer_load_state_dict_pre_hooks.values()):
-            result = pre_hook(self, state_dict)
-            if result is not None:
-                state_dict = result
-        state_io.load_state_dict(self._runtime.owners, state_dict, restore_model=restore_model,
-                                 allow_new_microbatches=allow_new_microbatches)
-        for post_hook in list(self._optimizer_load_state_dict_post_hooks.values()):
-            post_hook(self)
+        load_with_hooks(self, state_dict, lambda sd: state_io.load_state_dict(
+            self._runtime.owners, sd, restore_model=restore_model, allow_new_microbatches=allow_new_microbatches))
 
     def consolidated_state_dict(self) -> Dict[str, Any]:
         """Full per-parameter state in the wrapped optimizer's own format (with several classes: each

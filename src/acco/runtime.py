@@ -282,11 +282,18 @@ class Runtime:
 
     # ------------------------------------------------------------------ the front's calls
 
-    def begin_step(self, grad_scaler: Any) -> None:
-        """``step()``'s checks before the closure runs."""
+    def begin_step(self, grad_scaler: Any, attributes: Dict[str, Any]) -> None:
+        """``step()``'s checks before the closure runs (``attributes``: the front's own)."""
         self.session.check_open()
         if grad_scaler is not None:
             self._check_loss_scaling()
+        elif "grad_scale" in attributes or "found_inf" in attributes:
+            # A GradScaler that no longer hands itself to step(): the gradients would be used scaled.
+            raise RuntimeError(
+                "AccoOptimizer.step(): this torch's GradScaler set optimizer.grad_scale/found_inf instead of passing "
+                "grad_scaler= to step(), a protocol acco does not support yet (its rounds unscale the averaged "
+                f"gradient; torch {torch.__version__}). Train in bf16 without a GradScaler, or use a torch acco "
+                "was tested with (docs/fp16.md)")
 
     def step(self, grad_scaler: Any) -> None:
         """``step()`` after the closure ran: hand the update (or this micro-batch) to the loop."""
