@@ -59,17 +59,7 @@ class FlatBuffers:
         master_dtype = torch.float64 if param_dtype == torch.float64 else torch.float32
         cd, ad, rd, n, s = compute_dtype, accumulation_dtype, reduce_dtype, layout.padded_numel, layout.shard_size
 
-        # The master slice, from the parameters before any cast to compute_dtype: each piece copied straight
-        # from its parameter (no full-size temporary).
-        master = torch.zeros(s, dtype=master_dtype, device=device)
-        with torch.no_grad():
-            for pc in layout.pieces(rank):
-                if pc.numel:
-                    flat = self.params[pc.index].detach().reshape(-1)
-                    master[pc.local_start : pc.local_end].copy_(flat[pc.param_start : pc.param_end])
-            if cd != param_dtype:
-                for p in self.params:
-                    p.data = p.data.to(cd)  # once, at construction: addresses fixed from here on
+        master = _master_slice(self.params, layout, rank, master_dtype, cd)
 
         self.accum = torch.zeros(n, dtype=ad, device=device)
         # Round in/out: gradients out (cast to reduce_dtype at the hand-off, summed over ranks in it), weights in
@@ -101,28 +91,8 @@ class FlatBuffers:
         # is folded into as each gradient arrives, goes with .grad when the user discards or zeroes it.
         self.arrivals = _arrivals.Arrivals(len(self.params))
         self._grad_is_sum = self.grads is self.accum or self.fold_on_arrival
-        row = 3 + _arrivals.words(len(self.params))  # [count, fingerprint, round id, the arrivals' bits]
-        self.shard = ShardBuffers(
-            comm=self.comm,
-            weights=self.comm_weights,
-            master=master,
-            grad=torch.zeros_like(master),
-            count=torch.zeros(1, dtype=master_dtype, device=device),
-            rank_counts=torch.zeros(layout.world_size, dtype=master_dtype, device=device),
-            row=torch.zeros(row, dtype=torch.float64, device=device),
-            rows=torch.zeros(row * layout.world_size, dtype=torch.float64, device=device),
-            all_arrived=torch.empty(row - 3, dtype=torch.float64, device=device),
-            staging=None if cd == master_dtype else torch.zeros(s, dtype=cd, device=device),
-            collectives=collectives,
-            comm_low=self.comm_low,
-            low_slice=low_slice,
-        )
-        with torch.no_grad():  # each word filled as a kernel argument: no copy from host memory
-            for w, value in enumerate(_arrivals.pack((), len(self.params))):
-                self.shard.all_arrived[w].fill_(value)
-        if rd != master_dtype:  # gradients reduced in a narrower dtype than the master's: their own landing slice
-            b = self.shard
-            b.grad_staging = b.staging if rd == cd else torch.zeros(s, dtype=rd, device=device)
+        self.shard = _shard_buffers(self.comm, self.comm_weights, master, layout, len(self.params), cd, rd,
+                                    collectives, self.comm_low, low_slice)
 
     @property
     def master(self) -> torch.Tensor:
@@ -257,3 +227,49 @@ class FlatBuffers:
         # the persistent buffers; round_temporaries come and go within a round
         report["library_total"] = sum(v for k, v in report.items() if k not in ("params", "round_temporaries"))
         return report
+
+
+def _master_slice(params: List[torch.Tensor], layout: Any, rank: int, master_dtype: torch.dtype,
+                  compute_dtype: torch.dtype) -> torch.Tensor:
+    """This rank's master slice, from the parameters before any cast to ``compute_dtype``: each piece copied
+    straight from its parameter (no full-size temporary). Then the parameters are cast, once."""
+    master = torch.zeros(layout.shard_size, dtype=master_dtype, device=params[0].device)
+    with torch.no_grad():
+        for pc in layout.pieces(rank):
+            if pc.numel:
+                flat = params[pc.index].detach().reshape(-1)
+                master[pc.local_start : pc.local_end].copy_(flat[pc.param_start : pc.param_end])
+        if compute_dtype != params[0].dtype:
+            for p in params:
+                p.data = p.data.to(compute_dtype)  # once, at construction: addresses fixed from here on
+    return master
+
+
+def _shard_buffers(comm: torch.Tensor, comm_weights: torch.Tensor, master: torch.Tensor, layout: Any,
+                   n_params: int, cd: torch.dtype, rd: torch.dtype, collectives: str, comm_low: Optional[torch.Tensor],
+                   low_slice: Optional[torch.Tensor]) -> ShardBuffers:
+    """A round's buffers on this rank: the master slice and its gradient, the counts, the row, the staging
+    slices the dtypes need."""
+    device, master_dtype, s = master.device, master.dtype, layout.shard_size
+    row = 3 + _arrivals.words(n_params)  # [count, fingerprint, round id, the arrivals' bits]
+    b = ShardBuffers(
+        comm=comm,
+        weights=comm_weights,
+        master=master,
+        grad=torch.zeros_like(master),
+        count=torch.zeros(1, dtype=master_dtype, device=device),
+        rank_counts=torch.zeros(layout.world_size, dtype=master_dtype, device=device),
+        row=torch.zeros(row, dtype=torch.float64, device=device),
+        rows=torch.zeros(row * layout.world_size, dtype=torch.float64, device=device),
+        all_arrived=torch.empty(row - 3, dtype=torch.float64, device=device),
+        staging=None if cd == master_dtype else torch.zeros(s, dtype=cd, device=device),
+        collectives=collectives,
+        comm_low=comm_low,
+        low_slice=low_slice,
+    )
+    with torch.no_grad():  # each word filled as a kernel argument: no copy from host memory
+        for w, value in enumerate(_arrivals.pack((), n_params)):
+            b.all_arrived[w].fill_(value)
+    if rd != master_dtype:  # gradients reduced in a narrower dtype than the master's: their own landing slice
+        b.grad_staging = b.staging if rd == cd else torch.zeros(s, dtype=rd, device=device)
+    return b

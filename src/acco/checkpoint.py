@@ -257,7 +257,6 @@ def load(path: str, optimizer: "AccoOptimizer", *, model: Optional[torch.nn.Modu
     with the optimizer's (e.g. twice the micro-batches on half the ranks: the same global batch).
     """
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
 
     _same_call(optimizer, "load_state_dict() / acco.checkpoint.load()")
     path = resolve(path)
@@ -272,16 +271,7 @@ def load(path: str, optimizer: "AccoOptimizer", *, model: Optional[torch.nn.Modu
     def unnest(tree: Dict[str, Any]) -> Any:
         return tree["optim"][shard] if shard else tree["optim"]
 
-    def read(sd: Dict[str, Any]) -> None:
-        try:
-            dcp.load(sd, checkpoint_id=path, process_group=group, no_dist=no_dist)
-        except (Exception, CheckpointException) as exc:  # DCP's own errors say little of what to do
-            raise CheckpointError(
-                f"{where}: the checkpoint's files cannot be read: a file is missing, truncated or damaged "
-                f"({_dcp_cause(exc)}). Nothing was loaded (the optimizer and the model are unchanged); use "
-                "another checkpoint (acco.checkpoint.latest(folder) picks the newest complete one)."
-            ) from exc
-
+    read = _reader(path, group, no_dist, where)
     try:
         meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
     except Exception as exc:
@@ -303,23 +293,10 @@ def load(path: str, optimizer: "AccoOptimizer", *, model: Optional[torch.nn.Modu
     }
     trained = {}  # the model's entries that are this optimizer's parameters: restored from its slices instead
     if model is not None:
-        try:
-            live = model.state_dict(keep_vars=True)
-            mine = {id(p) for g in optimizer.param_groups for p in g["params"]}
-            trained = {k: v for k, v in live.items() if id(v) in mine}
-        except TypeError:  # a state_dict() override without keep_vars: every entry into a copy, as before
-            live = model.state_dict()
-        # The rest into copies (buffers, frozen parameters): the model changes only once everything is verified.
-        sd["model"] = {k: torch.empty_like(v) for k, v in live.items() if k not in trained}
+        trained, sd["model"] = _model_entries(model, optimizer)
     sd["checksums"] = {k: torch.zeros((), dtype=torch.int64) for k in sum_keys}
     read(sd)
-    expected = {k: v for k, v in sd.pop("checksums").items() if not (k.startswith("model/") and k[6:] in trained)}
-    if state_legacy.is_legacy(info):  # format 2: a flat entry's checksum is the sum of its slices' over ranks
-        got = state_legacy.dcp_checksums(sd, owners.rank, owners.layout.shard_size, optimizer.process_group,
-                                         optimizer.device)
-    else:
-        got = checksums(sd)
-    verify(got, expected, where, subset=True)
+    _verify_read(sd, trained, info, owners, where)
     optim = unnest(sd)
     check_loadable(owners, optim, allow_new_microbatches=allow_new_microbatches)  # before the model changes
     if model is not None:
@@ -328,3 +305,47 @@ def load(path: str, optimizer: "AccoOptimizer", *, model: Optional[torch.nn.Modu
         model.load_state_dict({**sd["model"], **{k: v.detach() for k, v in trained.items()}})
     load_state_dict(owners, optim, checked=True)
     return sd["extra"]
+
+
+def _reader(path: str, group: Any, no_dist: bool, where: str) -> Any:
+    """``read(sd)``: ``dcp.load`` of ``sd`` from ``path``, its failures as :class:`CheckpointError`. Collective."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.api import CheckpointException  # a BaseException, not an Exception
+
+    def read(sd: Dict[str, Any]) -> None:
+        try:
+            dcp.load(sd, checkpoint_id=path, process_group=group, no_dist=no_dist)
+        except (Exception, CheckpointException) as exc:  # DCP's own errors say little of what to do
+            raise CheckpointError(
+                f"{where}: the checkpoint's files cannot be read: a file is missing, truncated or damaged "
+                f"({_dcp_cause(exc)}). Nothing was loaded (the optimizer and the model are unchanged); use "
+                "another checkpoint (acco.checkpoint.latest(folder) picks the newest complete one)."
+            ) from exc
+
+    return read
+
+
+def _model_entries(model: torch.nn.Module, optimizer: "AccoOptimizer") -> tuple:
+    """The model's entries that are this optimizer's parameters (restored from its slices, not read), and
+    copies for the rest (buffers, frozen parameters) to read into: the model changes only once everything is
+    verified."""
+    trained = {}
+    try:
+        live = model.state_dict(keep_vars=True)
+        mine = {id(p) for g in optimizer.param_groups for p in g["params"]}
+        trained = {k: v for k, v in live.items() if id(v) in mine}
+    except TypeError:  # a state_dict() override without keep_vars: every entry into a copy, as before
+        live = model.state_dict()
+    return trained, {k: torch.empty_like(v) for k, v in live.items() if k not in trained}
+
+
+def _verify_read(sd: Dict[str, Any], trained: Dict[str, Any], info: Dict[str, Any], owners: Any, where: str) -> None:
+    """The checksums of what was read against those saved (less the trained parameters' model entries, not
+    read: they come from the optimizer's pieces); raises :class:`CheckpointError`. Format 2: collective."""
+    expected = {k: v for k, v in sd.pop("checksums").items() if not (k.startswith("model/") and k[6:] in trained)}
+    if state_legacy.is_legacy(info):  # format 2: a flat entry's checksum is the sum of its slices' over ranks
+        got = state_legacy.dcp_checksums(sd, owners.rank, owners.layout.shard_size, owners.process_group,
+                                         owners.flat.master.device)
+    else:
+        got = checksums(sd)
+    verify(got, expected, where, subset=True)

@@ -84,8 +84,7 @@ def estimate_into(
     spans several batches), so the ops issued per round grow with the number
     of batches, not of tensors.
     """
-    base = master.data_ptr()
-    size = master.element_size()
+    base, size = master.data_ptr(), master.element_size()
     adam = type(optimizer) in (torch.optim.Adam, torch.optim.AdamW)
     keys = ("exp_avg", "exp_avg_sq") if adam else ("momentum_buffer",)
     for group in optimizer.param_groups:
