@@ -109,6 +109,15 @@ def check_fresh_optimizer(optimizer: Any, options: Dict[str, Any]) -> None:
         )
 
 
+def prepare_groups(params: Any, optimizer_class: type) -> tuple:
+    """The param groups for torch's ``Optimizer.__init__`` (each group's class's own defaults filled in where a
+    group names another class), their classes, and each group's keys as given (before torch fills them)."""
+    groups = normalize_param_groups(params)
+    classes = [group_class(g, gi, optimizer_class) for gi, g in enumerate(groups)]
+    groups = other_class_defaults(groups, classes, optimizer_class)
+    return groups, classes, [set(g) for g in groups]
+
+
 def from_optimizers(optimizer: Any, options: Dict[str, Any]) -> tuple:
     """``AccoOptimizer.from_optimizer``'s arguments: the groups of fresh torch optimizers (each with its class
     when there are several), the first one's class, and its constructor defaults under ``options``."""

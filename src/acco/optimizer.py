@@ -201,31 +201,16 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
     estimate_dtype = _option("estimate_dtype")
 
     def __init__(
-        self,
-        params: Any,
-        optimizer_class: type = torch.optim.AdamW,
-        *,
-        mode: str = "acco",
-        process_group: Optional[dist.ProcessGroup] = None,
-        microbatches_per_update: Optional[int] = None,
-        accumulate_while_communicating: bool = False,
-        min_microbatches: int = 1,
-        max_microbatches: Optional[int] = None,
-        compute_dtype: Optional[torch.dtype] = None,
-        accumulation_dtype: Optional[torch.dtype] = None,
-        reduce_dtype: Optional[torch.dtype] = None,
-        estimate_dtype: Union[torch.dtype, str, None] = "auto",
-        max_grad_norm: Optional[float] = None,
-        nonfinite: str = "skip",
-        timeout: Optional[datetime.timedelta] = None,
-        buffers: Optional[Iterable[torch.Tensor]] = None,
-        assume_elementwise: bool = False,
-        placement: Optional[str] = None,
-        synchronous_updates: int = 0,
-        estimate_microbatches: Optional[int] = None,
-        estimate_extrapolation: Union[float, str] = "auto",
-        delay_correction: float = 0.0,
-        **optimizer_kwargs: Any,
+        self, params: Any, optimizer_class: type = torch.optim.AdamW, *, mode: str = "acco",
+        process_group: Optional[dist.ProcessGroup] = None, microbatches_per_update: Optional[int] = None,
+        accumulate_while_communicating: bool = False, min_microbatches: int = 1,
+        max_microbatches: Optional[int] = None, compute_dtype: Optional[torch.dtype] = None,
+        accumulation_dtype: Optional[torch.dtype] = None, reduce_dtype: Optional[torch.dtype] = None,
+        estimate_dtype: Union[torch.dtype, str, None] = "auto", max_grad_norm: Optional[float] = None,
+        nonfinite: str = "skip", timeout: Optional[datetime.timedelta] = None,
+        buffers: Optional[Iterable[torch.Tensor]] = None, assume_elementwise: bool = False,
+        placement: Optional[str] = None, synchronous_updates: int = 0, estimate_microbatches: Optional[int] = None,
+        estimate_extrapolation: Union[float, str] = "auto", delay_correction: float = 0.0, **optimizer_kwargs: Any,
     ) -> None:
         checked = check_arguments(
             mode=mode, optimizer_class=optimizer_class, placement=placement, assume_elementwise=assume_elementwise,
@@ -234,10 +219,7 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
             max_microbatches=max_microbatches, max_grad_norm=max_grad_norm, nonfinite=nonfinite, timeout=timeout,
             synchronous_updates=synchronous_updates, estimate_microbatches=estimate_microbatches,
             estimate_extrapolation=estimate_extrapolation, delay_correction=delay_correction)
-        groups = V.normalize_param_groups(params)
-        classes = [V.group_class(g, gi, optimizer_class) for gi, g in enumerate(groups)]
-        groups = V.other_class_defaults(groups, classes, optimizer_class)
-        given = [set(g) for g in groups]  # before torch fills every group from optimizer_kwargs
+        groups, classes, given = V.prepare_groups(params, optimizer_class)
         super().__init__(groups, dict(optimizer_kwargs))
         V.drop_foreign_defaults(self.param_groups, given, classes, optimizer_class, optimizer_kwargs)
         self._runtime = rt = Runtime(
@@ -245,9 +227,7 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
             compute_dtype=compute_dtype, accumulation_dtype=accumulation_dtype, reduce_dtype=reduce_dtype,
             estimate_dtype=estimate_dtype, buffers=buffers, microbatches_per_update=microbatches_per_update,
             owner_id=id(self))
-        if rt.wrapped.single is not None:  # the wrapped optimizer's defaults fill this one's
-            for key, value in rt.wrapped.single.defaults.items():
-                self.defaults.setdefault(key, value)
+        rt.fill_defaults(self.defaults)  # the wrapped optimizer's defaults fill this one's
         self.options: Options = rt.options  # the configuration, resolved once: read-only from here on
         self.rank, self.world_size, self.layout, self.scheduler = rt.rank, rt.world_size, rt.layout, rt.scheduler
         self._constructed = True  # add_param_group() from here on would change the layout: refused

@@ -179,6 +179,12 @@ class Runtime:
         self.hook_handles = hooks.install(self.params, self.on_grad_accumulated,
                                           self.on_incoming_grad if self.flat.fold_on_arrival else None)
 
+    def fill_defaults(self, defaults: Dict[str, Any]) -> None:
+        """The front's ``defaults`` take the wrapped optimizer's where it does not set them (one class)."""
+        if self.wrapped.single is not None:
+            for key, value in self.wrapped.single.defaults.items():
+                defaults.setdefault(key, value)
+
     @property
     def group(self) -> Optional[dist.ProcessGroup]:
         """The user's process group (None: one process)."""
