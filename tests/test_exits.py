@@ -241,3 +241,45 @@ def test_a_signal_inside_an_integration(name, sig, tmp_path):
     _clean(out)
     assert codes == {0: MEANT[name, sig], 1: MEANT[name, sig]}, out[-4000:]
     assert "RoundFailedError" not in out, out[-3000:]
+
+
+def _holders_worker(rank: int, world: int) -> dict:
+    """What of a finished optimizer still references the rounds' own group (or the model group)."""
+    import gc
+
+    import torch
+    from acco import AccoOptimizer
+
+    model = torch.nn.Linear(4, 2)
+    opt = AccoOptimizer(model.parameters(), lr=1e-2, mode="sync")
+    rounds = opt.runtime.driver.ctx.group
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    opt.finish()
+    seen, stack, paths = set(), [(opt, "opt")], []
+    while stack:
+        obj, path = stack.pop()
+        if id(obj) in seen:
+            continue
+        seen.add(id(obj))
+        if obj is rounds:
+            paths.append(path)
+            continue
+        module = type(obj).__module__ or ""
+        if not (module.startswith("acco") or isinstance(obj, (dict, list, tuple, set, frozenset))
+                or callable(obj) and module.startswith("functools")):
+            continue
+        for ref in gc.get_referents(obj):
+            stack.append((ref, f"{path} -> {type(ref).__name__}"))
+    return {"was_a_group": rounds is not None, "held_by": paths}
+
+
+def test_a_finished_optimizer_holds_no_round_group():
+    """finish() releases the rounds' own group: nothing of the optimizer keeps the ProcessGroup object alive
+    (one left to interpreter finalisation aborts the process, "terminate called without an active
+    exception", as an HF Trainer run once did when the runtime kept a second reference)."""
+    from _dist import run_ranks
+
+    for rank, r in enumerate(run_ranks(_holders_worker, 2)):
+        assert r["was_a_group"], "the test needs a round group"
+        assert r["held_by"] == [], (rank, r["held_by"])

@@ -52,14 +52,16 @@ log = logging.getLogger("acco")
 
 @dataclass
 class Groups:
-    """The process groups of one optimizer, made in :func:`_make_groups` and nowhere else."""
+    """The process groups of one optimizer, made in :func:`_make_groups` and nowhere else. The rounds' own
+    group and the model group are the driver's (its ``RoundContext``), which releases them at ``finish()`` or
+    exit: nothing else holds them (a group alive at interpreter exit aborts the process, docs/errors.md)."""
 
     user: Optional[dist.ProcessGroup]  # the user's (None: one process)
-    rounds: Optional[dist.ProcessGroup]  # the rounds' own, so the user's collectives never interleave with a round's
-    model: Optional[dist.ProcessGroup]  # DTensor parameters: the ranks holding the other shards (the norm's)
-    model_ranks: Optional[List[int]]
+    model_ranks: Optional[List[int]]  # DTensor parameters: the ranks holding the other shards of this rank's
     control: Optional[dist.ProcessGroup]  # the agreement gathers of the public collective calls
     control_device: torch.device
+    rounds: Optional[dist.ProcessGroup] = None  # the rounds' own, until handed to the driver
+    model: Optional[dist.ProcessGroup] = None  # the norm's over the model group, until handed to the driver
 
 
 @dataclass
@@ -117,7 +119,7 @@ def _make_groups(user: Optional[dist.ProcessGroup], shards: LocalShards, options
         control = dist.new_group(ranks=dist.get_process_group_ranks(user), backend="gloo", timeout=options.timeout,
                                  use_local_synchronization=user is not dist.group.WORLD)
         control_device = torch.device("cpu")
-    return Groups(user, rounds, model, model_ranks, control, control_device), counts
+    return Groups(user, model_ranks, control, control_device, rounds, model), counts
 
 
 class Runtime:
@@ -163,6 +165,7 @@ class Runtime:
         self.flat.shard.host_empty = self.scheduler.host_empty
         self.driver = RoundDriver(self._round_context(counts), self.scheduler, self.progress, self.flat, self.rank,
                                   self.world_size)
+        self.groups.rounds = self.groups.model = None  # the driver's now (it releases them)
         # The agreement exchange, the lifecycle flags and the committed-weights view: one owner that the loop and
         # the state code are handed by reference.
         self.session = Session(user, self.groups.control, self.groups.control_device, self.driver)
