@@ -91,3 +91,18 @@ def test_guides_stay_guides(path):
     n = len(path.read_text().splitlines())
     assert n <= GUIDE_MAX, (f"docs/{path.name} has {n} lines (a guide holds at most {GUIDE_MAX}): move records, run "
                             "logs and generated blocks to docs/studies/ and link to them")
+
+
+def test_options_md_lists_every_argument_and_every_resolved_option():
+    """docs/options.md has a row for each keyword of AccoOptimizer(...) and each field of Options."""
+    import inspect
+
+    from acco import AccoOptimizer
+    from acco.options import Options
+
+    text = (ROOT / "docs" / "options.md").read_text()
+    rows = [line for line in text.splitlines() if line.startswith("| `")]
+    keywords = [n for n, p in inspect.signature(AccoOptimizer.__init__).parameters.items()
+                if n not in ("self", "params") and p.kind is not inspect.Parameter.VAR_KEYWORD]
+    missing = [n for n in keywords + Options.names() if not any(f"`{n}`" in row for row in rows)]
+    assert missing == [], f"docs/options.md has no row for {missing}"

@@ -49,32 +49,19 @@ def hyper_fingerprint(hyper: List[Dict[str, Any]]) -> float:
     return float(digest(repr([[(k, value(v)) for k, v in sorted(g.items())] for g in hyper])))
 
 
-def fingerprints(param_groups: List[Dict[str, Any]], opt: Any, mesh_description: Any,
+def fingerprints(param_groups: List[Dict[str, Any]], options: Sequence[Tuple[str, Any]], mesh_description: Any,
                  microbatches_per_update: Any) -> List[Tuple[str, Any]]:
     """(what, value) of everything an :class:`~acco.AccoOptimizer` needs equal on every rank: the model (its
-    ``param_groups``, the mesh and placements of DTensor parameters), every option (``opt``: the resolved
-    :class:`~acco.options.Options`) and hyper-parameter that changes the math."""
+    ``param_groups``, the mesh and placements of DTensor parameters), the micro-batches per update, every
+    option (``options``: ``Options.agreed()``, one pair per field) and the hyper-parameters."""
     hyper = [{k: v for k, v in sorted(g.items()) if k != "params"} for g in param_groups]
-    cls = opt.optimizer_class
     return [
         ("the model (parameter shapes/dtypes, param groups)",
          [len(g["params"]) for g in param_groups] + [f"{tuple(p.shape)}:{p.dtype}" for g in param_groups
                                                      for p in g["params"]]),
         ("the DeviceMesh and placements of DTensor parameters", mesh_description),
-        ("mode", opt.mode.value),
-        ("optimizer_class", f"{cls.__module__}.{cls.__qualname__}"),
-        ("microbatches_per_update / accumulate_while_communicating / min/max_microbatches",
-         (microbatches_per_update, opt.accumulate_while_communicating, opt.min_microbatches, opt.max_microbatches)),
-        ("compute_dtype", str(opt.compute_dtype)),
-        ("accumulation_dtype", str(opt.accumulation_dtype)),
-        ("reduce_dtype / estimate_dtype", (str(opt.reduce_dtype), str(opt.estimate_dtype))),
-        ("synchronous_updates", opt.synchronous_updates),
-        ("estimate_microbatches", opt.estimate_microbatches),
-        ("estimate_extrapolation", opt.estimate_extrapolation),
-        ("delay_correction", opt.delay_correction),
-        ("max_grad_norm", opt.max_grad_norm),
-        ("nonfinite", opt.nonfinite),
-        ("timeout", str(opt.timeout)),  # with one, every rank builds the control group (a collective)
+        ("microbatches_per_update", microbatches_per_update),
+        *options,  # with timeout, every rank builds the control group (a collective): it must agree too
         ("the hyper-parameters of the param groups (lr, betas, weight_decay, ...)", hyper_fingerprint(hyper)),
     ]
 

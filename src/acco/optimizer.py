@@ -181,24 +181,8 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
     # unscales the averaged gradient (amp.py).
     _step_supports_amp_scaling = True
 
-    # The constructor's arguments as resolved (``self.options``, frozen): what every part of the optimizer reads.
-    mode = _option("mode")
-    optimizer_class = _option("optimizer_class")
-    placement = _option("placement")
-    accumulate_while_communicating = _option("accumulate_while_communicating")
-    min_microbatches = _option("min_microbatches")
-    max_microbatches = _option("max_microbatches")
-    max_grad_norm = _option("max_grad_norm")
-    nonfinite = _option("nonfinite")
-    timeout = _option("timeout")
-    synchronous_updates = _option("synchronous_updates")
-    estimate_microbatches = _option("estimate_microbatches")
-    estimate_extrapolation = _option("estimate_extrapolation")
-    delay_correction = _option("delay_correction")
-    compute_dtype = _option("compute_dtype")
-    accumulation_dtype = _option("accumulation_dtype")
-    reduce_dtype = _option("reduce_dtype")
-    estimate_dtype = _option("estimate_dtype")
+    # The constructor's arguments as resolved (``self.options``, frozen), each an attribute of its name
+    # (opt.mode, opt.max_grad_norm, ...): made below from the fields of Options.
 
     def __init__(
         self, params: Any, optimizer_class: type = torch.optim.AdamW, *, mode: str = "acco",
@@ -428,3 +412,7 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         """Take a plain optimizer's ``state_dict()``; the master comes from the model's
         current weights. Call on all ranks (each keeps its share)."""
         self._runtime.load_consolidated_state_dict(state_dict)
+
+
+for _name in Options.names():  # opt.mode, opt.max_grad_norm, ...: the resolved options (docs/options.md)
+    setattr(AccoOptimizer, _name, _option(_name))

@@ -11,8 +11,9 @@ re-derives a setting from the raw arguments or compares mode strings of its own.
 from __future__ import annotations
 
 import datetime
+import dataclasses
 from dataclasses import dataclass
-from typing import Any, Optional, Sequence
+from typing import Any, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -55,6 +56,15 @@ class Options:
         """Mode sync: every update runs to completion in ``step()`` (plain ZeRO-1)."""
         return self.mode.synchronous
 
+    @classmethod
+    def names(cls) -> List[str]:
+        """Every option's name: ``AccoOptimizer`` reads each as an attribute of the same name."""
+        return [f.name for f in dataclasses.fields(cls)]
+
+    def agreed(self) -> List[Tuple[str, Any]]:
+        """(name, value) of every option, as every rank must have it (``agreement.check_same_model``)."""
+        return [(name, _plain(getattr(self, name))) for name in self.names()]
+
     def check_microbatches(self, m: int) -> None:
         """Refuse ``m`` micro-batches per update (given, learned or loaded) that leave none after the estimate's
         hand-off (``estimate_microbatches``)."""
@@ -68,6 +78,17 @@ class Options:
                     "AccoOptimizer and do not clip .grad yourself (HF Trainer: acco.integrations.hf.AccoTrainer "
                     "maps max_grad_norm for you).")
         return f"This optimizer already clips with max_grad_norm={self.max_grad_norm}: do not clip .grad yourself."
+
+
+def _plain(value: Any) -> Any:
+    """A value whose ``repr`` is the same on every rank that has the same option."""
+    if isinstance(value, type):
+        return f"{value.__module__}.{value.__qualname__}"
+    if isinstance(value, Mode):
+        return value.value
+    if isinstance(value, (torch.dtype, datetime.timedelta)):
+        return str(value)
+    return value
 
 
 def check_arguments(*, mode: Any, optimizer_class: Any, placement: Any, assume_elementwise: Any,

@@ -195,7 +195,7 @@ class Runtime:
 
     def fingerprints(self) -> list:
         """What every rank must have alike (agreement.check_same_model): the model and every option."""
-        return agreement.fingerprints(self.param_groups, self.options, self.shards.describe(),
+        return agreement.fingerprints(self.param_groups, self.options.agreed(), self.shards.describe(),
                                       self.progress.microbatches_per_update)
 
     def _wrap(self, classes: Sequence[type], optimizer_kwargs: Dict[str, Any], index_of_group: List[List[int]],
