@@ -51,6 +51,7 @@ from data import eval_batches, load_corpus, sample_batch  # noqa: E402
 from model import GPTConfig, build_model  # noqa: E402
 
 import acco  # noqa: E402
+import acco.round_checks  # noqa: E402
 import acco.rounds  # noqa: E402
 
 METHODS = ("ddp", "sync", "acco")
@@ -360,6 +361,8 @@ def main(argv=None) -> None:
     share = (world - 1) / world  # each rank sends (N-1)/N of the buffer in a ring reduce-scatter or all-gather
     acco.rounds.reduce_scatter_flat = delayed(acco.rounds.reduce_scatter_flat, share)
     acco.rounds.all_gather_flat = delayed(acco.rounds.all_gather_flat, share)
+    # the exchange a public call (finish()) makes on the rounds' group crosses the link too
+    acco.round_checks.all_gather_flat = delayed(acco.round_checks.all_gather_flat, share)
     train, held_data = load_corpus(args.data)
     held = eval_batches(held_data, args.eval_batches, args.batch, args.seq_len)
     if rank == 0:

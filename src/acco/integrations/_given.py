@@ -26,7 +26,7 @@ def check_given_optimizer(opt: Any, where: str, *, mode: str, mode_setting: str,
     ``held_buffers``, which would drift apart across ranks (the framework's own path keeps every buffer equal, as
     DDP does). ``*_setting`` name the framework's settings in the message."""
     problems = []
-    if opt.mode is not Mode.parse(mode):
+    if Mode.parse(opt.mode) is not Mode.parse(mode):
         problems.append(f"it has mode={opt.mode!r} but {mode_setting}={mode!r}: build it with mode={mode!r}, or "
                         f"set {mode_setting}={opt.mode!r}")
     wanted = clip if clip is not None and clip > 0 else None
