@@ -96,3 +96,19 @@ def test_no_module_reads_another_acco_modules_private_names(name):
             bad += [f"from {'.' * node.level}{node.module or ''} import {a.name}" for a in node.names
                     if a.name.startswith("_") and a.name not in ("_validation",)]
     assert bad == [], bad
+
+
+def test_rooms_stay_small():
+    """No module of src/acco over 450 lines, no function over 60, AccoOptimizer.__init__ within 40 (issue 66)."""
+    long_modules = [(p.name, n) for p in SRC.rglob("*.py") if (n := len(p.read_text().splitlines())) > 450]
+    long_functions, init = [], None
+    for path in SRC.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                n = node.end_lineno - node.lineno + 1
+                if n > 60:
+                    long_functions.append((f"{path.relative_to(SRC)}:{node.name}", n))
+                if path.name == "optimizer.py" and node.name == "__init__":
+                    init = n
+    assert long_modules == [] and long_functions == [], (long_modules, long_functions)
+    assert init is not None and init <= 40, init
