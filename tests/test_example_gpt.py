@@ -90,7 +90,9 @@ def test_resume_keeps_the_runs_time_and_says_what_another_number_of_ranks_does(t
     assert resumed[0]["step"] == 4 and resumed[0]["time"] >= before[-1]["time"] > 0, (before, resumed)
     assert [m["time"] for m in resumed] == sorted(m["time"] for m in resumed)
     assert summary["time"] >= resumed[0]["time"] and summary["this_attempt"]["from_update"] == 4
-    assert summary["tokens_per_s"] == pytest.approx(summary["tokens"] / summary["time"], rel=1e-3)
+    # "time" is rounded to the millisecond: on a fast machine the run takes well under a second
+    assert summary["tokens_per_s"] == pytest.approx(summary["tokens"] / summary["time"],
+                                                    rel=max(1e-3, 6e-4 / summary["time"]))
 
     one = run_command([sys.executable, str(TRAIN), *TINY[:-3], "--out", str(tmp_path / "one"), *args,
                        "--resume", ckpt + "/update_0000004"], timeout=240)
