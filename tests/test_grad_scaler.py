@@ -12,7 +12,7 @@
 
 from __future__ import annotations
 
-import warnings
+import contextlib
 
 import pytest
 import torch
@@ -103,19 +103,23 @@ def test_mode_sync_under_fp16_autocast_equals_ddp_with_grad_scaler():
                 assert torch.allclose(x, y, rtol=1e-5, atol=1e-6), (rank, u, (x - y).abs().max())
 
 
-def _train(model, opt, scaler, rank, updates, start=0):
+def _train(model, opt, scaler, rank, updates, start=0, around=lambda update: contextlib.nullcontext()):
+    """``updates`` updates of the fp32 model (scaled when ``scaler``), each inside ``around(update)``; the
+    weights after each, and the scale after each (``scaler.get_scale()`` outside ``around``: a host read)."""
     weights, scales = [], []
     for u in range(start, start + updates):
-        for mb in range(M):
-            loss = fp32_loss(model, rank, u, mb)
-            (scaler.scale(loss) if scaler is not None else loss).backward()
+        with around(u):
+            for mb in range(M):
+                loss = fp32_loss(model, rank, u, mb)
+                (scaler.scale(loss) if scaler is not None else loss).backward()
+            if scaler is not None:
+                scaler.step(opt)
+                scaler.update()
+            else:
+                opt.step()
+            opt.zero_grad()
         if scaler is not None:
-            scaler.step(opt)
-            scaler.update()
             scales.append(scaler.get_scale())
-        else:
-            opt.step()
-        opt.zero_grad()
         weights.append(_weights(model))
     return weights, scales
 
@@ -259,7 +263,6 @@ def test_the_scalers_notice_about_its_own_protocol_is_not_shown():
 
 def _fake_cuda_worker(rank: int, world: int) -> dict:
     """Mode acco with fused AdamW on the simulated CUDA path (tests/fake_cuda.py): scaled against plain."""
-    import contextlib
     import os
 
     import acco.device_api
@@ -275,19 +278,8 @@ def _fake_cuda_worker(rank: int, world: int) -> dict:
                 model = make_model()
                 opt = acco.AccoOptimizer(model.parameters(), lr=1e-2, weight_decay=0.1, fused=True)
                 scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=3) if name == "scaled" else None
-                traj = []
-                for u in range(UPDATES):
-                    with fake.forbid_syncs() if u >= 1 else contextlib.nullcontext():  # after the first commit
-                        for mb in range(M):
-                            loss = fp32_loss(model, rank, u, mb)
-                            (scaler.scale(loss) if scaler is not None else loss).backward()
-                        if scaler is not None:
-                            scaler.step(opt)
-                            scaler.update()
-                        else:
-                            opt.step()
-                        opt.zero_grad()
-                    traj.append(_weights(model))
+                traj, _ = _train(model, opt, scaler, rank, UPDATES,  # no host sync after the first commit
+                                 around=lambda u: fake.forbid_syncs() if u >= 1 else contextlib.nullcontext())
                 opt.finish()
                 out[name] = traj
                 out[name + "_uses_streams"] = opt.scheduler.uses_streams
