@@ -70,11 +70,6 @@ class LossScale:
     def _live(self) -> Any:
         return self._scaler() if self._scaler is not None else None
 
-    @property
-    def active(self) -> bool:
-        """Whether rounds are unscaled (a scaler drove the last step(), or a loaded state says one did)."""
-        return self._live() is not None or self.saved is not None
-
     def for_estimate(self) -> Optional[torch.Tensor]:
         """The estimate's 1/scale (None: unscaled), and remember its source for the commit to check."""
         scaler = self._live()
