@@ -37,6 +37,16 @@ class Split:
             p.load_state_dict(sd)
 
 
+def grads_at(model: torch.nn.Module, weights: Tensors, loss: Callable[[torch.nn.Module], torch.Tensor]) -> Tensors:
+    """The gradient of ``loss(model)`` with ``model`` (a fresh, unsharded copy) set to ``weights``: what the
+    tests' ``grad_fn`` returns to the oracle for one micro-batch."""
+    with torch.no_grad():
+        for p, w in zip(model.parameters(), weights):
+            p.copy_(w)
+    loss(model).backward()
+    return [p.grad.detach().clone() for p in model.parameters()]
+
+
 def clipped(grads: Tensors, max_grad_norm: Optional[float]) -> Tensors:
     """The averaged gradient scaled as ``clip_grad_norm_`` scales the full gradient (fp64 sum of squares)."""
     if max_grad_norm is None:

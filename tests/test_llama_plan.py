@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from _dist import run_ranks
-from oracle import update_run
+from oracle import grads_at, update_run
 
 from acco import AccoOptimizer
 
@@ -121,13 +121,8 @@ def _batch(host: int, index: int):
 
 
 def _grad_fn(host: int, index: int, weights):
-    model = Llama()
-    with torch.no_grad():
-        for p, w in zip(model.parameters(), weights):
-            p.copy_(w)
     x, y = _batch(host, index)
-    (F.cross_entropy(model(x).flatten(0, 1), y.flatten(0, 1)) / M).backward()
-    return [p.grad.detach().clone() for p in model.parameters()]
+    return grads_at(Llama(), weights, lambda model: F.cross_entropy(model(x).flatten(0, 1), y.flatten(0, 1)) / M)
 
 
 def _worker(rank: int, world: int, fsdp: bool) -> dict:

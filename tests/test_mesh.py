@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from _dist import run_ranks
-from oracle import update_run
+from oracle import grads_at, update_run
 
 from acco import AccoOptimizer
 
@@ -56,12 +56,7 @@ def _loss(model: nn.Module, host: int, index: int) -> torch.Tensor:
 
 def _grad_fn(host: int, index: int, weights):
     """The oracle's gradient: the unsharded model at ``weights`` on host ``host``'s micro-batch ``index``."""
-    model = MLP()
-    with torch.no_grad():
-        for p, w in zip(model.parameters(), weights):
-            p.copy_(w)
-    _loss(model, host, index).backward()
-    return [p.grad.detach().clone() for p in model.parameters()]
+    return grads_at(MLP(), weights, lambda model: _loss(model, host, index))
 
 
 def _host_grad_fn(fsdp: int, host: int, index: int, weights):

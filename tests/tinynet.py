@@ -44,12 +44,9 @@ def loss_fn(model: nn.Module, rank: int, index: int) -> torch.Tensor:
 
 def grad_fn(rank: int, index: int, weights: List[torch.Tensor]) -> List[torch.Tensor]:
     """Gradient of micro-batch ``(rank, index)`` at ``weights`` (for the oracle)."""
-    model = TinyNet()
-    with torch.no_grad():
-        for p, w in zip(model.parameters(), weights):
-            p.copy_(w)
-    loss_fn(model, rank, index).backward()
-    return [p.grad.detach().clone() for p in model.parameters()]
+    from oracle import grads_at
+
+    return grads_at(TinyNet(), weights, lambda model: loss_fn(model, rank, index))
 
 
 def flat(model: nn.Module) -> torch.Tensor:
