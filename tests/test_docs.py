@@ -94,11 +94,13 @@ def test_guides_stay_guides(path):
 
 
 def test_options_md_lists_every_argument_and_every_resolved_option():
-    """docs/options.md has a row for each keyword of AccoOptimizer(...) and each field of Options."""
+    """docs/options.md has a row for each keyword of AccoOptimizer(...) and each field of Options, and each
+    policy's table is the one its fields make (``python -m acco.options`` prints them)."""
     import inspect
 
     from acco import AccoOptimizer
-    from acco.options import Options
+    from acco.options import Options, markdown_table
+    from acco.policies import POLICIES
 
     text = (ROOT / "docs" / "options.md").read_text()
     rows = [line for line in text.splitlines() if line.startswith("| `")]
@@ -106,3 +108,9 @@ def test_options_md_lists_every_argument_and_every_resolved_option():
                 if n not in ("self", "params") and p.kind is not inspect.Parameter.VAR_KEYWORD]
     missing = [n for n in keywords + Options.names() if not any(f"`{n}`" in row for row in rows)]
     assert missing == [], f"docs/options.md has no row for {missing}"
+    for name in POLICIES:
+        marker = f"<!-- policy {name}: made from acco.policies (python -m acco.options) -->\n"
+        assert marker in text, f"docs/options.md lacks the {name} policy's table (its marker {marker!r})"
+        table = text.split(marker, 1)[1].split("\n\n", 1)[0].strip()
+        assert table == markdown_table(name), (
+            f"docs/options.md's {name} table is not the one acco.policies makes: paste `python -m acco.options`")

@@ -7,7 +7,7 @@ import math
 import pytest
 import torch
 
-from acco._validation import resolve_estimate_extrapolation
+from acco.policies import resolve_estimate_extrapolation
 from acco.precision import resolve_estimate_dtype
 from acco.modes import Mode
 from acco.placement import Layout

@@ -207,7 +207,7 @@ def test_estimate_extrapolation_auto_resolves_against_the_wrapped_optimizers():
     given is kept."""
     def resolved(opt):
         c = opt.estimate_extrapolation
-        assert c == opt.options.estimate_extrapolation
+        assert c == opt.options.delay.estimate_extrapolation
         opt.finish()
         return c
 
@@ -237,12 +237,14 @@ def test_the_configuration_is_resolved_once_and_read_only():
     opt = AccoOptimizer(model.parameters(), mode="dpu", microbatches_per_update=2, max_grad_norm=1.0,
                         compute_dtype=torch.bfloat16, delay_correction=0.5, lr=1e-2)
     o = opt.options
-    assert (o.mode, o.max_grad_norm, o.delay_correction, o.synchronous_updates) == ("dpu", 1.0, 0.5, 0)
-    assert (o.compute_dtype, o.accumulation_dtype, o.reduce_dtype, o.estimate_dtype) == (
+    assert (o.mode, o.robustness.max_grad_norm, o.delay.delay_correction, o.delay.synchronous_updates) == (
+        "dpu", 1.0, 0.5, 0)
+    p = o.precision
+    assert (p.compute_dtype, p.accumulation_dtype, p.reduce_dtype, p.estimate_dtype) == (
         torch.bfloat16, torch.float32, torch.float32, None)
     assert not o.estimates and not o.synchronous
     for name in ("mode", "max_grad_norm", "compute_dtype", "reduce_dtype", "estimate_dtype", "delay_correction"):
-        assert getattr(opt, name) == getattr(o, name), name
+        assert getattr(opt, name) == o.value(name), name
     with pytest.raises(dataclasses.FrozenInstanceError):
         o.mode = "sync"
     with pytest.raises(AttributeError):

@@ -1,16 +1,13 @@
-"""Checks of user input, done once at construction. Each error says what was
-received and what to do."""
+"""Checks of user input, done once at construction: the parameters, their groups, the optimizer class and
+its placement, the buffers (the options' checks are their policies', ``policies.py``). Each error says what
+was received and what to do."""
 
 from __future__ import annotations
 
-import datetime
 import inspect
-import math
-from typing import Any, Dict, Iterable, List, Optional, Union
+from typing import Any, Dict, Iterable, List, Optional
 
 import torch
-
-from .modes import Mode
 
 from .state.format import IMPLEMENTATION_FLAGS
 from .wrapped import class_defaults
@@ -146,142 +143,6 @@ def constructor_defaults(optimizer: torch.optim.Optimizer) -> Dict[str, Any]:
     return {k: v for k, v in optimizer.defaults.items() if k in params}
 
 
-def check_mode(mode: Any) -> Mode:
-    """The :class:`~acco.modes.Mode` named ``mode``; raises naming the choices."""
-    return Mode.parse(mode)
-
-
-ACCO_NEEDS_TWO = (
-    "mode='acco' splits each update's micro-batches into two halves (an estimate from the first, the update from "
-    "both), but got {m} backward() per step(). Run two (or more) micro-batches of half the size per step() "
-    "(gradient accumulation: backward() on each, then one step()), or use mode='dpu' or mode='sync'"
-)
-
-
-def check_handoffs(mode: Mode, per_update: Any, elastic: Any, min_microbatches: Any, max_microbatches: Any) -> None:
-    if per_update is not None:
-        if not isinstance(per_update, int) or isinstance(per_update, bool) or per_update < 1:
-            raise ValueError(f"microbatches_per_update must be None or an int >= 1, got {per_update!r}")
-        if mode.estimates and per_update < 2:
-            raise ValueError(ACCO_NEEDS_TWO.format(m=per_update))
-    if not isinstance(elastic, bool):
-        raise TypeError(f"accumulate_while_communicating must be True or False, got {elastic!r}")
-    if elastic and per_update is not None:
-        raise ValueError(
-            "microbatches_per_update does not apply with accumulate_while_communicating=True (step() is then called "
-            "after every micro-batch and the library decides when to hand off); pass one or the other"
-        )
-    if not elastic and (min_microbatches != 1 or max_microbatches is not None):
-        raise ValueError(
-            f"min_microbatches={min_microbatches!r}/max_microbatches={max_microbatches!r} apply only with "
-            "accumulate_while_communicating=True (step() after every micro-batch). With one step() per update, "
-            "run the micro-batches you want per update (microbatches_per_update=...) and call step() once"
-        )
-    check_microbatches(min_microbatches, max_microbatches)
-
-
-def check_timeout(timeout: Any) -> None:
-    if timeout is None:
-        return
-    if not isinstance(timeout, datetime.timedelta):
-        raise TypeError(f"timeout must be a datetime.timedelta (how long a round waits for a peer), got {timeout!r}")
-    if timeout <= datetime.timedelta(0):
-        raise ValueError(
-            f"timeout={timeout!r}: a round's collectives would give up at once and blame a dead peer; pass a "
-            "positive datetime.timedelta (e.g. timedelta(minutes=10)) or None for the process group's default"
-        )
-
-
-def check_synchronous_updates(elastic: bool, synchronous_updates: Any) -> None:
-    """``synchronous_updates``: the first updates without overlap, for one ``step()`` per update."""
-    if not isinstance(synchronous_updates, int) or isinstance(synchronous_updates, bool) or synchronous_updates < 0:
-        raise ValueError(f"synchronous_updates must be an int >= 0, got {synchronous_updates!r}")
-    if elastic and synchronous_updates:
-        raise ValueError(
-            "synchronous_updates applies to one step() per update; with accumulate_while_communicating=True the "
-            "hand-offs follow the rounds. Drop it, or drop accumulate_while_communicating"
-        )
-
-
-def check_estimate_microbatches(mode: Mode, per_update: Any, elastic: bool, h: Any) -> None:
-    """``estimate_microbatches``: the micro-batches of an update before its estimate's hand-off (mode acco, one
-    ``step()`` per update); ``None`` is the paper's first half, ``microbatches_per_update // 2``."""
-    if h is None:
-        return
-    if not isinstance(h, int) or isinstance(h, bool) or h < 1:
-        raise ValueError(f"estimate_microbatches must be None or an int >= 1, got {h!r}")
-    if not mode.estimates:
-        raise ValueError(f"estimate_microbatches={h} applies to mode='acco' only (it places the estimate round), "
-                         f"got mode={mode!r}: drop it")
-    if elastic:
-        raise ValueError(
-            f"estimate_microbatches={h} applies to one step() per update; with accumulate_while_communicating=True "
-            "the hand-offs follow the rounds (min_microbatches bounds them). Drop it, or drop "
-            "accumulate_while_communicating"
-        )
-    if per_update is not None:
-        check_estimate_within(h, per_update)
-
-
-def check_estimate_extrapolation(mode: Mode, c: Any) -> Union[float, str]:
-    """``estimate_extrapolation``: ``theta~ = theta + c * (Opt*(theta, g) - theta)`` (mode acco); ``1.0`` is the
-    paper's estimate. Returns ``"auto"`` as it is (:func:`resolve_estimate_extrapolation` resolves it once the
-    optimizer classes are known), a number as a float."""
-    if isinstance(c, str) and c == "auto":
-        return c
-    if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or not 0 < c <= 2:
-        raise ValueError(
-            f"estimate_extrapolation must be 'auto' or a number in (0, 2], got {c!r}: 1.0 is the paper's estimate, "
-            "1.2 what 'auto' takes for Adam and AdamW (docs/settings.md)"
-        )
-    if c != 1 and not mode.estimates:
-        raise ValueError(f"estimate_extrapolation={c} applies to mode='acco' only (its estimate round), got "
-                         f"mode={mode!r}: drop it")
-    return float(c)
-
-
-AUTO_EXTRAPOLATION = 1.2  # docs/convergence.md, "How a default is chosen": measured with AdamW only
-
-
-def resolve_estimate_extrapolation(c: Union[float, str], mode: Mode, accumulate_while_communicating: bool,
-                                   estimate_microbatches: Optional[int], classes: Iterable[type]) -> float:
-    """``"auto"`` (the default): ``1.2`` in mode acco with one ``step()`` per update and the paper's hand-off (the
-    first half, ``estimate_microbatches`` None) when every wrapped optimizer is ``torch.optim.Adam`` or ``AdamW``
-    (measured with AdamW; Adam takes the same step on its moments); ``1.0``, the paper's estimate, anywhere else,
-    where nothing was measured. A number stays as checked."""
-    if c != "auto":
-        return float(c)
-    adam = all(cls in (torch.optim.Adam, torch.optim.AdamW) for cls in classes)
-    fixed = not accumulate_while_communicating and estimate_microbatches is None
-    return AUTO_EXTRAPOLATION if mode.estimates and fixed and adam else 1.0
-
-
-def check_delay_correction(mode: Mode, accumulate_while_communicating: bool, c: Any) -> float:
-    """``delay_correction``: the error feedback's ``c`` on mode dpu's delayed updates (0: none). Returns a float."""
-    if isinstance(c, bool) or not isinstance(c, (int, float)) or not math.isfinite(c) or not 0 <= c <= 2:
-        raise ValueError(f"delay_correction must be a number in [0, 2], got {c!r}: 0 is none, 1.0 the setting of "
-                         "Zmushko et al. (docs/algorithm.md)")
-    if c != 0 and not mode.delayed:
-        raise ValueError(
-            f"delay_correction={c} applies to mode='dpu' only (a step taken from a one-step-stale gradient), got "
-            f"mode={mode!r}: mode acco takes no stale gradient (its estimate predicts theta instead; "
-            "estimate_extrapolation tunes it), mode sync none at all. Drop it, or pass mode='dpu'")
-    if c != 0 and accumulate_while_communicating:
-        raise ValueError(f"delay_correction={c} needs one step() per update: got accumulate_while_communicating=True "
-                         "(each rank's rounds then end at points of its own). Drop one of the two")
-    return float(c)
-
-
-def check_estimate_within(h: int, m: int) -> None:
-    """The estimate's hand-off must leave at least one micro-batch of the update after it (``m`` given or learned)."""
-    if h >= m:
-        raise ValueError(
-            f"estimate_microbatches={h} with {m} micro-batches per update: the estimate round is handed off after "
-            f"{h} of them and needs at least one after it to overlap with. Pass an estimate_microbatches below {m} "
-            "(None: the first half), or run more micro-batches per update"
-        )
-
-
 def check_buffers(buffers: Any, device: torch.device) -> List[torch.Tensor]:
     """The model buffers to keep equal across ranks (``buffers=``)."""
     if buffers is None:
@@ -295,27 +156,6 @@ def check_buffers(buffers: Any, device: torch.device) -> List[torch.Tensor]:
         if b.device != device:
             raise ValueError(f"buffers[{i}] is on {b.device} but the parameters are on {device}: move the model first")
     return out
-
-
-def check_microbatches(min_microbatches: Any, max_microbatches: Any) -> None:
-    if not isinstance(min_microbatches, int) or isinstance(min_microbatches, bool) or min_microbatches < 1:
-        raise ValueError(f"min_microbatches must be an int >= 1, got {min_microbatches!r}")
-    if max_microbatches is None:
-        return
-    if not isinstance(max_microbatches, int) or isinstance(max_microbatches, bool):
-        raise ValueError(f"max_microbatches must be None or an int, got {max_microbatches!r}")
-    if max_microbatches < min_microbatches:
-        raise ValueError(
-            f"min_microbatches={min_microbatches} > max_microbatches={max_microbatches}: "
-            "raise max_microbatches (or pass None for no bound) or lower min_microbatches"
-        )
-
-
-def check_clipping(max_grad_norm: Any, nonfinite: Any) -> None:
-    if max_grad_norm is not None and (isinstance(max_grad_norm, bool) or not isinstance(max_grad_norm, (int, float)) or not max_grad_norm > 0):
-        raise ValueError(f"max_grad_norm must be None or a number > 0, got {max_grad_norm!r}")
-    if nonfinite not in ("skip", "raise"):
-        raise ValueError(f"nonfinite must be 'skip' or 'raise', got {nonfinite!r}")
 
 
 def normalize_param_groups(params: Any) -> List[Dict[str, Any]]:

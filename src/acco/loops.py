@@ -23,9 +23,9 @@ from typing import Any, Callable, Dict, List
 
 import torch
 
-from . import _validation as V
 from .agreement import snapshot_hyperparams, sync_buffers
 from .options import Options
+from .policies import ACCO_NEEDS_TWO
 from .rounds import RoundKind, round_kind
 
 __all__ = ["ElasticLoop", "LoopContext", "UpdateLoop", "after_handoff"]
@@ -79,7 +79,7 @@ class UpdateLoop:
         p.backward_done()
         m = p.microbatches_per_update
         if (c.options.estimates and m is not None and not p.estimate_in_update and p.mb_in_update == self.estimate_at(m)
-                and p.commits_handed_off >= c.options.synchronous_updates):
+                and p.commits_handed_off >= c.options.delay.synchronous_updates):
             c.session.check_open()
             p.take_hyper(snapshot_hyperparams(c.param_groups))  # both rounds of one update use the same
             c.driver.handoff(RoundKind.ESTIMATE, p.mb_in_update, m / (p.mb_in_update * c.world_size),
@@ -89,7 +89,7 @@ class UpdateLoop:
     def estimate_at(self, m: int) -> int:
         """The micro-batches of an update before its estimate's hand-off (the first "half", or
         ``estimate_microbatches``)."""
-        return self.ctx.options.estimate_microbatches or m // 2
+        return self.ctx.options.delay.estimate_microbatches or m // 2
 
     def zero_grad(self) -> None:
         """Discard the update's micro-batches so far (refused once its estimate is handed off)."""
@@ -119,7 +119,7 @@ class UpdateLoop:
         c.flat.check_untouched(c.options.clip_hint)
         # Collective with a scaler (inf/NaN on any rank, for its update()).
         unscale, same_scale = c.loss_scale.for_commit(grad_scaler, c.flat.accum, c.session.group, p.estimate_in_update)
-        synchronous = c.options.synchronous or p.commits_handed_off < c.options.synchronous_updates
+        synchronous = c.options.synchronous or p.commits_handed_off < c.options.delay.synchronous_updates
         if not same_scale:
             # The estimate went out unscaled by another scale (the first scaled update of a run): its theta~
             # is not the paper's; the update runs synchronously and the model holds its committed weights.
@@ -140,7 +140,8 @@ class UpdateLoop:
         if not p.estimate_in_update:
             p.take_hyper(snapshot_hyperparams(c.param_groups))
         # The error feedback corrects a step taken from a stale gradient: not a synchronous update's.
-        c.driver.handoff(RoundKind.COMMIT, m, 1.0 / c.world_size, 0.0 if synchronous else c.options.delay_correction,
+        c.driver.handoff(RoundKind.COMMIT, m, 1.0 / c.world_size,
+                         0.0 if synchronous else c.options.delay.delay_correction,
                          unscale)
         p.update_handed_off()
         after_handoff(c, RoundKind.COMMIT, synchronous)
@@ -155,7 +156,7 @@ class UpdateLoop:
                 "accumulate_while_communicating=True for ranks of unequal speed"
             )
         if m < 2:
-            raise ValueError(V.ACCO_NEEDS_TWO.format(m=m))
+            raise ValueError(ACCO_NEEDS_TWO.format(m=m))
         self.ctx.options.check_microbatches(m)
         self.ctx.progress.learned(m)
         log.info("acco: %d micro-batches per update (learned from the first update, which ran synchronously)", m)
@@ -187,10 +188,10 @@ class ElasticLoop:
         c, p = self.ctx, self.ctx.progress
         c.flat.fold(c.options.clip_hint)
         p.folded()
-        if p.since_handoff < c.options.min_microbatches:
+        if p.since_handoff < c.options.handoff.min_microbatches:
             return
         # Accumulate while you communicate: keep computing while the round is in flight, unless the bound is reached.
-        if not c.round_done() and (c.options.max_microbatches is None or p.since_handoff < c.options.max_microbatches):
+        if not c.round_done() and (c.options.handoff.max_microbatches is None or p.since_handoff < c.options.handoff.max_microbatches):
             return
         kind = round_kind(c.options.mode, p.num_rounds)
         count = p.in_accum

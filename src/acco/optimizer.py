@@ -24,7 +24,7 @@ Two ways to drive it:
 from __future__ import annotations
 
 import contextlib
-import datetime
+import inspect
 import logging
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Union
 
@@ -35,7 +35,8 @@ from . import _validation as V
 from .agreement import hyper_fingerprint
 from .driver import RoundDriver
 from .introspection import Introspection
-from .options import Options, check_arguments
+from .options import Options, check_arguments, keyword_signature, split_keywords
+from .policies import DelayPolicy, HandoffPolicy, PrecisionPolicy, RobustnessPolicy
 from .runtime import Runtime, make_closer
 from .state import io as state_io
 from .torch_hooks import load_with_hooks, state_dict_with_hooks
@@ -48,7 +49,7 @@ log = logging.getLogger("acco")
 
 def _option(name: str) -> property:
     """A read-only attribute of the resolved configuration, :attr:`AccoOptimizer.options` (docs/options.md)."""
-    return property(lambda self: getattr(self.options, name), doc=f"``options.{name}``, resolved at construction.")
+    return property(lambda self: self.options.value(name), doc=f"The option ``{name}``, resolved at construction.")
 
 
 class AccoOptimizer(Introspection, torch.optim.Optimizer):
@@ -85,88 +86,21 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
             needs it to split an update into halves; ``None``: learned from the
             first update, which then runs synchronously (the model holds
             ``theta_1`` after it instead of the estimate ``theta~_1``).
-        accumulate_while_communicating: call ``step()`` after every
-            micro-batch; a round is handed off when the previous one has
-            finished (and ``min_microbatches`` are accumulated), so ranks of
-            unequal speed never wait for each other. Each round then averages
-            over all micro-batches of all ranks. Off by default (deterministic).
-        min_microbatches, max_microbatches: with
-            ``accumulate_while_communicating``: micro-batches to accumulate
-            before a hand-off, and at most while a round is in flight
-            (``None``: no bound).
-        compute_dtype: dtype of the model's parameters (the compute copy), e.g.
-            ``torch.bfloat16``; the sharded master stays fp32. ``None``: keep.
-        accumulation_dtype: dtype the micro-batches' gradients are summed in,
-            over micro-batches and over ranks (``None``: fp32 when the compute
-            dtype is bfloat16, as Megatron does, else the compute dtype). When
-            it differs from the compute dtype, each parameter's gradient is
-            added into the sum as it arrives, and ``.grad`` is a compute-dtype
-            buffer of its own that autograd sums into as usual (one more
-            compute-dtype copy of the model; the update does not read it).
-        reduce_dtype: dtype the gradients travel in and are summed over ranks
-            in (FSDP2's ``reduce_dtype``): each rank's sum, kept in
-            ``accumulation_dtype``, is cast to it at the hand-off, and the
-            reduced slice is cast back to the fp32 master's dtype. ``None``:
-            the accumulation dtype. ``torch.bfloat16`` with a bf16 model is
-            the paper's bytes (half the fp32 traffic, a 2-byte round buffer).
-        estimate_dtype: mode acco, beyond the paper: the estimate round's
-            gradients travel, and ``theta~`` comes back, in this dtype
-            (``torch.bfloat16`` for a model whose gradients travel in fp32): a
-            quarter fewer bytes per update. The estimate only decides where the
-            next half's gradients are taken; the commit round stays in full
-            precision. ``"auto"`` (default): ``torch.bfloat16`` in mode acco
-            for an fp32 model whose gradients travel in fp32 between more
-            than one rank, else ``None`` (why, and its evidence:
-            ``docs/settings.md``). ``None``: the estimate travels like the
-            commit, the paper's exact algorithm (with
-            ``estimate_extrapolation=1.0``). The resolved dtype is
-            :attr:`estimate_dtype`.
-        max_grad_norm: clip the global L2 norm of the averaged gradient to
-            this, as ``clip_grad_norm_`` on DDP's all-reduced gradient would.
-            (Clipping ``.grad`` yourself raises: it is the local gradient here.)
-        nonfinite: ``"skip"`` (default) an update whose averaged gradient holds
-            inf/NaN, counting it in ``num_skipped_updates``, or ``"raise"``
-            :class:`~acco.NonFiniteGradientError`; all ranks act alike.
-        timeout: how long a round's collectives wait for a peer before
-            raising (default: the process group default). It also bounds
-            the first exchange of every public collective call (``finish()``,
-            ``load_state_dict()``, ``acco.checkpoint.save/load/gather``): a
-            call made on some ranks only raises there after ``timeout``,
-            saying every rank must make it (a small gloo group on CPU).
         buffers: the model's buffers (``model.buffers()``, e.g. BatchNorm's
             running statistics) to keep equal across ranks: broadcast from the
             group's first rank at every ``step()``, as DDP broadcasts them.
-        assume_elementwise: the same as ``placement="elementwise"`` (kept for existing code).
         placement: how to shard a class acco does not know (your own): ``"elementwise"`` (a ``1/N`` slice of
             the flattened parameters, for a step that treats every element on its own) or ``"whole"`` (each
             tensor whole on one rank). The classes acco knows need none; LBFGS and SparseAdam are refused.
-        synchronous_updates: the first this many updates run synchronously (no
-            estimate, no overlap), as the paper warms DPU up; counted in
-            committed updates, so a resumed run does not repeat them.
-        estimate_microbatches: mode acco, beyond the paper: the estimate
-            round is handed off after this many of an update's micro-batches
-            (``None``, the default: the first half, ``M // 2``, the paper's).
-            A later hand-off gives the commit round more compute to hide
-            behind and the estimate round less, which suits a bf16 estimate
-            (a smaller round) on a slow link; its gradients are extrapolated
-            from ``h`` micro-batches to ``M``. Must be below ``M``.
-        estimate_extrapolation: mode acco, beyond the paper: the estimate
-            takes its step ``c`` times, ``theta~ = theta + c * (Opt*(theta, g)
-            - theta)`` (``1.0``: the paper's). The commit is unchanged. Free
-            for Adam, AdamW and SGD, one pass over the slice for other
-            optimizers. In ``(0, 2]``. ``"auto"`` (default): ``1.2`` where
-            every wrapped optimizer is Adam or AdamW, with one ``step()`` per
-            update and ``estimate_microbatches`` unset (it needed fewer
-            updates than ``1.0`` to reach DDP's loss with AdamW, by the rule
-            of ``docs/convergence.md``), ``1.0`` elsewhere (not measured).
-            The resolved value: ``opt.estimate_extrapolation``.
-        delay_correction: mode dpu, beyond the paper: error feedback against
-            the one-step-stale gradient (Zmushko et al., ICML 2026): each
-            delayed update's step ``u_k`` is followed by
-            ``theta -= c * (u_k - u_{k-1})``, any optimizer, no extra
-            communication, one slice of state (checkpointed) and one slice of
-            scratch (``docs/algorithm.md``). ``0.0``, the default: none; the
-            paper's setting is ``1.0``. In ``[0, 2]``.
+        assume_elementwise: the same as ``placement="elementwise"`` (kept for existing code).
+        handoff, robustness, delay, precision: the policies (``acco.HandoffPolicy``, ``RobustnessPolicy``,
+            ``DelayPolicy``, ``PrecisionPolicy``; their fields and defaults: ``help()`` on each, or
+            ``docs/options.md``). Each field is also a keyword of its own, the shorthand most code uses:
+            ``max_grad_norm=1.0`` is ``robustness=RobustnessPolicy(max_grad_norm=1.0)``;
+            ``accumulate_while_communicating``, ``min_microbatches``, ``max_microbatches`` (hand-off);
+            ``max_grad_norm``, ``nonfinite``, ``timeout`` (robustness); ``synchronous_updates``,
+            ``estimate_microbatches``, ``estimate_extrapolation``, ``delay_correction`` (delay);
+            ``compute_dtype``, ``accumulation_dtype``, ``reduce_dtype``, ``estimate_dtype`` (precision).
         **optimizer_kwargs: passed to ``optimizer_class`` (``lr=...``).
 
     Evaluate or save the committed weights inside :meth:`committed_weights`.
@@ -187,30 +121,23 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
     def __init__(
         self, params: Any, optimizer_class: type = torch.optim.AdamW, *, mode: str = "acco",
         process_group: Optional[dist.ProcessGroup] = None, microbatches_per_update: Optional[int] = None,
-        accumulate_while_communicating: bool = False, min_microbatches: int = 1,
-        max_microbatches: Optional[int] = None, compute_dtype: Optional[torch.dtype] = None,
-        accumulation_dtype: Optional[torch.dtype] = None, reduce_dtype: Optional[torch.dtype] = None,
-        estimate_dtype: Union[torch.dtype, str, None] = "auto", max_grad_norm: Optional[float] = None,
-        nonfinite: str = "skip", timeout: Optional[datetime.timedelta] = None,
-        buffers: Optional[Iterable[torch.Tensor]] = None, assume_elementwise: bool = False,
-        placement: Optional[str] = None, synchronous_updates: int = 0, estimate_microbatches: Optional[int] = None,
-        estimate_extrapolation: Union[float, str] = "auto", delay_correction: float = 0.0, **optimizer_kwargs: Any,
+        buffers: Optional[Iterable[torch.Tensor]] = None, placement: Optional[str] = None,
+        assume_elementwise: bool = False, handoff: Optional[HandoffPolicy] = None,
+        robustness: Optional[RobustnessPolicy] = None, delay: Optional[DelayPolicy] = None,
+        precision: Optional[PrecisionPolicy] = None, **keywords: Any,
     ) -> None:
-        checked = check_arguments(
-            mode=mode, optimizer_class=optimizer_class, placement=placement, assume_elementwise=assume_elementwise,
-            microbatches_per_update=microbatches_per_update,
-            accumulate_while_communicating=accumulate_while_communicating, min_microbatches=min_microbatches,
-            max_microbatches=max_microbatches, max_grad_norm=max_grad_norm, nonfinite=nonfinite, timeout=timeout,
-            synchronous_updates=synchronous_updates, estimate_microbatches=estimate_microbatches,
-            estimate_extrapolation=estimate_extrapolation, delay_correction=delay_correction)
+        # Each keyword is a policy's field (shorthand) or the wrapped optimizer's (lr=...): split once, checked once.
+        policies, optimizer_kwargs = split_keywords(
+            dict(handoff=handoff, robustness=robustness, delay=delay, precision=precision), keywords)
+        checked = check_arguments(mode=mode, optimizer_class=optimizer_class, placement=placement,
+                                  assume_elementwise=assume_elementwise,
+                                  microbatches_per_update=microbatches_per_update, policies=policies)
         groups, classes, given = V.prepare_groups(params, optimizer_class)
         super().__init__(groups, dict(optimizer_kwargs))
         V.drop_foreign_defaults(self.param_groups, given, classes, optimizer_class, optimizer_kwargs)
         self._runtime = rt = Runtime(
-            self.param_groups, classes, checked, optimizer_kwargs, process_group=process_group,
-            compute_dtype=compute_dtype, accumulation_dtype=accumulation_dtype, reduce_dtype=reduce_dtype,
-            estimate_dtype=estimate_dtype, buffers=buffers, microbatches_per_update=microbatches_per_update,
-            owner_id=id(self))
+            self.param_groups, classes, checked, optimizer_kwargs, process_group=process_group, buffers=buffers,
+            microbatches_per_update=microbatches_per_update, owner_id=id(self))
         rt.fill_defaults(self.defaults)  # the wrapped optimizer's defaults fill this one's
         self.options: Options = rt.options  # the configuration, resolved once: read-only from here on
         self.rank, self.world_size, self.layout, self.scheduler = rt.rank, rt.world_size, rt.layout, rt.scheduler
@@ -416,3 +343,5 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
 
 for _name in Options.names():  # opt.mode, opt.max_grad_norm, ...: the resolved options (docs/options.md)
     setattr(AccoOptimizer, _name, _option(_name))
+# help(AccoOptimizer), IDEs and inspect see every policy field as a keyword (the shorthand), as written out before.
+AccoOptimizer.__init__.__signature__ = keyword_signature(inspect.signature(AccoOptimizer.__init__))

@@ -1,9 +1,10 @@
 """An :class:`~acco.AccoOptimizer`'s configuration, checked and resolved once, then frozen.
 
-Construction checks every argument first (:func:`check_arguments`, before the
-param groups are read, so a bad option is named before anything is built), then
-resolves what depends on the model and the group (the dtypes) into one
-:class:`Options`. Everything downstream (the loops, the rounds, the agreement
+The keywords of ``AccoOptimizer(...)`` are split once (:func:`split_keywords`): a
+policy's field (``policies.py``) or the wrapped optimizer's. Construction checks
+every argument first (:func:`check_arguments`, before the param groups are read,
+so a bad option is named before anything is built), then resolves what depends
+on the model and the group (the dtypes) into one :class:`Options`. Everything downstream (the loops, the rounds, the agreement
 between ranks, the state dict's description) reads that object; nothing
 re-derives a setting from the raw arguments or compares mode strings of its own.
 """
@@ -12,39 +13,33 @@ from __future__ import annotations
 
 import datetime
 import dataclasses
+import inspect
 from dataclasses import dataclass
-from typing import Any, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
 from . import _validation as V
-from . import precision as P
 from .modes import Mode
+from .policies import (POLICIES, DelayPolicy, HandoffPolicy, PrecisionPolicy, RobustnessPolicy,
+                       check_estimate_within)
 
-__all__ = ["Options", "check_arguments", "resolve"]
+__all__ = ["Options", "check_arguments", "keyword_signature", "markdown_table", "resolve", "split_keywords"]
 
 
 @dataclass(frozen=True)
 class Options:
-    """The resolved settings (docs/options.md); ``AccoOptimizer``'s attributes of the same names read them."""
+    """The resolved settings (docs/options.md): the mode, the class, the placement and the four policies
+    (``policies.py``). ``AccoOptimizer``'s attributes of each field's name read them (``opt.max_grad_norm`` is
+    ``opt.options.robustness.max_grad_norm``)."""
 
     mode: Mode  # what it implies: mode.estimates, .synchronous, .delayed (modes.py)
     optimizer_class: type
     placement: Optional[str]  # for a class acco does not know: "elementwise" | "whole"
-    accumulate_while_communicating: bool
-    min_microbatches: int
-    max_microbatches: Optional[int]
-    max_grad_norm: Optional[float]
-    nonfinite: str  # "skip" | "raise"
-    timeout: Optional[datetime.timedelta]
-    synchronous_updates: int
-    estimate_microbatches: Optional[int]  # None: the first half, M // 2
-    estimate_extrapolation: float  # mode acco: theta~ = theta + c (Opt*(theta, g) - theta); "auto" resolved
-    delay_correction: float  # mode dpu: c of the error feedback on each delayed update (0: none)
-    compute_dtype: torch.dtype
-    accumulation_dtype: torch.dtype
-    reduce_dtype: torch.dtype
-    estimate_dtype: Optional[torch.dtype]  # None: the estimate travels like the commit
+    handoff: HandoffPolicy
+    robustness: RobustnessPolicy
+    delay: DelayPolicy  # resolved: estimate_extrapolation a float
+    precision: PrecisionPolicy  # resolved: every dtype concrete (estimate_dtype a dtype or None)
 
     @property
     def estimates(self) -> bool:
@@ -56,28 +51,40 @@ class Options:
         """Mode sync: every update runs to completion in ``step()`` (plain ZeRO-1)."""
         return self.mode.synchronous
 
-    @classmethod
-    def names(cls) -> List[str]:
-        """Every option's name: ``AccoOptimizer`` reads each as an attribute of the same name."""
-        return [f.name for f in dataclasses.fields(cls)]
+    @staticmethod
+    def names() -> List[str]:
+        """Every option's name (the top three, then each policy's fields): ``AccoOptimizer`` reads each as an
+        attribute of the same name."""
+        return list(_TOP) + [f.name for cls in POLICIES.values() for f in dataclasses.fields(cls)]
+
+    def value(self, name: str) -> Any:
+        """The resolved option ``name`` (one of :meth:`names`)."""
+        if name in _TOP:
+            return getattr(self, name)
+        return getattr(getattr(self, _POLICY_OF[name]), name)
 
     def agreed(self) -> List[Tuple[str, Any]]:
         """(name, value) of every option, as every rank must have it (``agreement.check_same_model``)."""
-        return [(name, _plain(getattr(self, name))) for name in self.names()]
+        return [(name, _plain(self.value(name))) for name in self.names()]
 
     def check_microbatches(self, m: int) -> None:
         """Refuse ``m`` micro-batches per update (given, learned or loaded) that leave none after the estimate's
         hand-off (``estimate_microbatches``)."""
-        if self.estimate_microbatches is not None:
-            V.check_estimate_within(self.estimate_microbatches, m)
+        if self.delay.estimate_microbatches is not None:
+            check_estimate_within(self.delay.estimate_microbatches, m)
 
     def clip_hint(self) -> str:
         """What to tell a user whose loop changed ``.grad`` (clipped it) before ``step()``."""
-        if self.max_grad_norm is None:
+        norm = self.robustness.max_grad_norm
+        if norm is None:
             return ("To clip the global gradient norm as clip_grad_norm_ does under DDP, pass max_grad_norm=... to "
                     "AccoOptimizer and do not clip .grad yourself (HF Trainer: acco.integrations.hf.AccoTrainer "
                     "maps max_grad_norm for you).")
-        return f"This optimizer already clips with max_grad_norm={self.max_grad_norm}: do not clip .grad yourself."
+        return f"This optimizer already clips with max_grad_norm={norm}: do not clip .grad yourself."
+
+
+_TOP = ("mode", "optimizer_class", "placement")
+_POLICY_OF = {f.name: name for name, cls in POLICIES.items() for f in dataclasses.fields(cls)}
 
 
 def _plain(value: Any) -> Any:
@@ -91,46 +98,69 @@ def _plain(value: Any) -> Any:
     return value
 
 
+def split_keywords(policies: Dict[str, Any], keywords: Dict[str, Any]) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """``AccoOptimizer(...)``'s policies and its other keywords: each keyword named like a policy's field is that
+    field (shorthand), the rest are the wrapped optimizer's (``lr=...``). Returns (policy objects by name, the
+    optimizer's keyword arguments). Raises when a field is given both ways, or a policy argument is not one."""
+    out = {}
+    for name, cls in POLICIES.items():
+        given = policies.get(name)
+        if given is not None and not isinstance(given, cls):
+            raise TypeError(f"{name} must be an acco.{cls.__name__} (or None), got {given!r}")
+        fields = {f.name for f in dataclasses.fields(cls)}
+        short = {k: keywords[k] for k in fields if k in keywords}
+        if given is not None and short:
+            raise TypeError(f"{sorted(short)} given both as keywords and in {name}={given!r}: pass each once")
+        out[name] = given if given is not None else cls(**short)
+    rest = {k: v for k, v in keywords.items() if k not in _POLICY_OF}
+    return out, rest
+
+
 def check_arguments(*, mode: Any, optimizer_class: Any, placement: Any, assume_elementwise: Any,
-                    microbatches_per_update: Any, accumulate_while_communicating: Any, min_microbatches: Any,
-                    max_microbatches: Any, max_grad_norm: Any, nonfinite: Any, timeout: Any,
-                    synchronous_updates: Any, estimate_microbatches: Any, estimate_extrapolation: Any,
-                    delay_correction: Any) -> dict:
-    """Check the arguments that need nothing but themselves, in the order a user reads them; return the
-    normalised ones (``placement``; the two numbers as floats, ``estimate_extrapolation`` or ``"auto"``) for
-    :func:`resolve`. Raises with what was received and what
-    to do."""
+                    microbatches_per_update: Any, policies: Dict[str, Any]) -> Options:
+    """Check the arguments that need nothing but themselves, in the order a user reads them. The result still
+    holds ``estimate_extrapolation="auto"`` and unresolved dtypes: :func:`resolve` fills them. Raises with what
+    was received and what to do."""
     placement = V.check_placement_option(placement, assume_elementwise)
     V.check_optimizer_class(optimizer_class)
-    mode = V.check_mode(mode)
-    V.check_handoffs(mode, microbatches_per_update, accumulate_while_communicating, min_microbatches, max_microbatches)
-    V.check_clipping(max_grad_norm, nonfinite)
-    V.check_timeout(timeout)
-    V.check_synchronous_updates(accumulate_while_communicating, synchronous_updates)
-    V.check_estimate_microbatches(mode, microbatches_per_update, accumulate_while_communicating, estimate_microbatches)
-    return dict(
-        mode=mode, optimizer_class=optimizer_class, placement=placement,
-        accumulate_while_communicating=bool(accumulate_while_communicating), min_microbatches=min_microbatches,
-        max_microbatches=max_microbatches, max_grad_norm=max_grad_norm, nonfinite=nonfinite, timeout=timeout,
-        synchronous_updates=synchronous_updates, estimate_microbatches=estimate_microbatches,
-        estimate_extrapolation=V.check_estimate_extrapolation(mode, estimate_extrapolation),
-        delay_correction=V.check_delay_correction(mode, accumulate_while_communicating, delay_correction),
-    )
+    mode = Mode.parse(mode)
+    handoff = policies["handoff"].checked(mode, microbatches_per_update)
+    elastic = handoff.accumulate_while_communicating
+    return Options(mode=mode, optimizer_class=optimizer_class, placement=placement, handoff=handoff,
+                   robustness=policies["robustness"].checked(),
+                   delay=policies["delay"].checked(mode, microbatches_per_update, elastic),
+                   precision=policies["precision"])
 
 
-def resolve(checked: dict, *, param_dtype: torch.dtype, world_size: int, compute_dtype: Optional[torch.dtype],
-            accumulation_dtype: Optional[torch.dtype], reduce_dtype: Optional[torch.dtype],
-            estimate_dtype: Any, classes: Sequence[type]) -> Options:
-    """The frozen :class:`Options`: ``checked`` (from :func:`check_arguments`) with the dtypes resolved against the
-    parameters' dtype and the group's size (``compute_dtype`` None: the parameters'; the accumulation dtype from
-    the compute dtype; the reduce dtype from the accumulation dtype; ``estimate_dtype="auto"`` from all three),
-    and ``estimate_extrapolation="auto"`` against the groups' optimizer ``classes``."""
-    compute = compute_dtype or param_dtype
-    accumulation = P.check_accumulation_dtype(accumulation_dtype, compute)
-    reduce = P.check_reduce_dtype(reduce_dtype, accumulation, compute)
-    estimate = P.resolve_estimate_dtype(estimate_dtype, checked["mode"], compute, reduce, world_size)
-    extrapolation = V.resolve_estimate_extrapolation(
-        checked["estimate_extrapolation"], checked["mode"], checked["accumulate_while_communicating"],
-        checked["estimate_microbatches"], classes)
-    return Options(**{**checked, "estimate_extrapolation": extrapolation}, compute_dtype=compute,
-                   accumulation_dtype=accumulation, reduce_dtype=reduce, estimate_dtype=estimate)
+def resolve(checked: Options, *, param_dtype: torch.dtype, world_size: int, classes: Sequence[type]) -> Options:
+    """The frozen, resolved :class:`Options`: ``checked`` (from :func:`check_arguments`) with the dtypes resolved
+    against the parameters' dtype and the group's size, and ``estimate_extrapolation="auto"`` against the groups'
+    optimizer ``classes``."""
+    elastic = checked.handoff.accumulate_while_communicating
+    return dataclasses.replace(checked, precision=checked.precision.resolved(param_dtype, checked.mode, world_size),
+                               delay=checked.delay.resolved(checked.mode, elastic, classes))
+
+
+def keyword_signature(front: inspect.Signature) -> inspect.Signature:
+    """``front`` (``AccoOptimizer.__init__``'s) with each policy field as a keyword-only parameter before
+    ``**optimizer_kwargs``: what ``help()``, IDEs and ``inspect`` users see."""
+    params = [p for p in front.parameters.values() if p.kind is not inspect.Parameter.VAR_KEYWORD]
+    for cls in POLICIES.values():
+        for f in dataclasses.fields(cls):
+            params.append(inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default,
+                                            annotation=f.type))
+    params.append(inspect.Parameter("optimizer_kwargs", inspect.Parameter.VAR_KEYWORD))
+    return front.replace(parameters=params)
+
+
+def markdown_table(name: str) -> str:
+    """The ``docs/options.md`` table of the policy ``name``, from its fields (``tests/test_docs.py`` holds the
+    file to it; ``python -m acco.options`` prints every table)."""
+    rows = ["| argument | default | what it does |", "|---|---|---|"]
+    rows += [f"| `{f.name}` | {f.metadata['shown']} | {f.metadata['doc']} |" for f in dataclasses.fields(POLICIES[name])]
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":  # pragma: no cover - prints what docs/options.md holds
+    for _name in POLICIES:
+        print(f"<!-- {_name}: from acco.policies.{POLICIES[_name].__name__} -->\n{markdown_table(_name)}\n")

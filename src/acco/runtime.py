@@ -104,20 +104,20 @@ def _make_groups(user: Optional[dist.ProcessGroup], shards: LocalShards, options
     if user is not None:
         # Rounds talk on a group of their own, so the user's collectives on the main thread can never
         # interleave with a round's.
-        rounds = new_round_group(user, options.timeout)
+        rounds = new_round_group(user, options.robustness.timeout)
         connect(rounds, device)  # its communicator now, from this thread, not in the first backward
     model, model_ranks = None, mesh.norm_group_ranks(shards)
     if model_ranks is not None:  # the norm over the model's other shards, on a group of the rounds' own too
-        model = new_local_group(model_ranks, dist.get_backend(rounds or user), options.timeout)
+        model = new_local_group(model_ranks, dist.get_backend(rounds or user), options.robustness.timeout)
         connect(model, device)
     counts = mesh.check_replicas(shards, model) if shards.any else None
     # The agreement gathers of the public collective calls (which call every rank is in, refusals, round
     # counts) run on the main thread. With ``timeout`` they get a small CPU (gloo) group of their own that
     # honours it, so a call made on some ranks only fails within ``timeout``, not the process group's.
     control, control_device = user, device
-    if user is not None and options.timeout is not None:
-        control = dist.new_group(ranks=dist.get_process_group_ranks(user), backend="gloo", timeout=options.timeout,
-                                 use_local_synchronization=user is not dist.group.WORLD)
+    if user is not None and options.robustness.timeout is not None:
+        control = dist.new_group(ranks=dist.get_process_group_ranks(user), backend="gloo",
+                                 timeout=options.robustness.timeout, use_local_synchronization=user is not dist.group.WORLD)
         control_device = torch.device("cpu")
     return Groups(user, model_ranks, control, control_device, rounds, model), counts
 
@@ -126,13 +126,12 @@ class Runtime:
     """What an :class:`~acco.AccoOptimizer` runs on: built once from its param groups and options (see the module
     docstring for the order), then driven by the front's calls and by the gradient hooks."""
 
-    def __init__(self, param_groups: List[Dict[str, Any]], classes: Sequence[type], checked: Dict[str, Any],
-                 optimizer_kwargs: Dict[str, Any], *, process_group: Any, compute_dtype: Optional[torch.dtype],
-                 accumulation_dtype: Optional[torch.dtype], reduce_dtype: Optional[torch.dtype], estimate_dtype: Any,
-                 buffers: Optional[Iterable[torch.Tensor]], microbatches_per_update: Optional[int],
-                 owner_id: int) -> None:
+    def __init__(self, param_groups: List[Dict[str, Any]], classes: Sequence[type], checked: Options,
+                 optimizer_kwargs: Dict[str, Any], *, process_group: Any, buffers: Optional[Iterable[torch.Tensor]],
+                 microbatches_per_update: Optional[int], owner_id: int) -> None:
         self.param_groups = param_groups  # the front's live groups: rounds read their values at hand-off
         self.params: List[torch.Tensor] = [p for g in param_groups for p in g["params"]]
+        compute_dtype = checked.precision.compute_dtype
         V.check_params(self.params, compute_dtype)
         device = self.params[0].device
         # DTensor parameters (tensor parallel, FSDP2): ACCO works on each rank's local shards (the same storage).
@@ -142,24 +141,22 @@ class Runtime:
         user = resolve_process_group(process_group)
         self.world_size, self.rank = group_size(user), group_rank(user)
         # The configuration, resolved once (dtypes against the parameters and the group): read-only from here on.
-        self.options: Options = resolve_options(
-            checked, param_dtype=self.params[0].dtype, world_size=self.world_size, compute_dtype=compute_dtype,
-            accumulation_dtype=accumulation_dtype, reduce_dtype=reduce_dtype, estimate_dtype=estimate_dtype,
-            classes=classes)
-        o = self.options
+        self.options: Options = resolve_options(checked, param_dtype=self.params[0].dtype,
+                                                world_size=self.world_size, classes=classes)
+        o, pr = self.options, self.options.precision
         self.model_buffers = V.check_buffers(buffers, device)
         self.progress = Progress(torch.zeros((), dtype=torch.float64, device=device), microbatches_per_update)
         placed = _place(param_groups, classes, o.placement, self.shards.locals, self.world_size)
         mesh.check_supported(self.shards, user, whole="whole" in placed.placements,
-                             dtypes_plain=o.compute_dtype == o.accumulation_dtype == self.params[0].dtype)
+                             dtypes_plain=pr.compute_dtype == pr.accumulation_dtype == self.params[0].dtype)
         self.layout = placed.layout
         if user is not None:
             agreement.check_same_model(user, self.fingerprints(), self.layout.numel, len(self.params), device)
             agreement.broadcast_parameters(self.shards.locals, user)
         self.groups, counts = _make_groups(user, self.shards, o, device)
-        self.flat = FlatBuffers(self.shards.locals, self.layout, self.rank, o.compute_dtype, o.accumulation_dtype,
-                                o.reduce_dtype, separate_grads=o.accumulate_while_communicating,
-                                collectives=ring_algorithm(self.groups.rounds), estimate_dtype=o.estimate_dtype)
+        self.flat = FlatBuffers(self.shards.locals, self.layout, self.rank, pr.compute_dtype, pr.accumulation_dtype,
+                                pr.reduce_dtype, separate_grads=o.handoff.accumulate_while_communicating,
+                                collectives=ring_algorithm(self.groups.rounds), estimate_dtype=pr.estimate_dtype)
         self.wrapped = self._wrap(classes, optimizer_kwargs, placed.index_of_group, device)
         self.scheduler = StreamScheduler(device)
         self.flat.shard.host_empty = self.scheduler.host_empty
@@ -220,29 +217,29 @@ class Runtime:
             self.flat.shard, self.wrapped, self.groups.rounds,
             # Scratch for Opt* (mode acco), and on the CUDA path for undoing a skipped step on the device.
             OptimizerSnapshot() if o.estimates or self.scheduler.uses_streams else None,
-            o.max_grad_norm, o.nonfinite, device_checks=self.scheduler.uses_streams,
-            extrapolation=o.estimate_extrapolation, model_group=self.groups.model,
+            o.robustness.max_grad_norm, o.robustness.nonfinite, device_checks=self.scheduler.uses_streams,
+            extrapolation=o.delay.estimate_extrapolation, model_group=self.groups.model,
             norm_ranges=mesh.counted_ranges(counts, self.layout.pieces(self.rank)),
-            delay_scratch=torch.empty_like(self.flat.shard.master) if o.delay_correction else None,
+            delay_scratch=torch.empty_like(self.flat.shard.master) if o.delay.delay_correction else None,
         )
 
     def _make_loop(self) -> Any:
         o, g = self.options, self.groups
         round_done = self.scheduler.done
-        if g.model_ranks is not None and o.accumulate_while_communicating:  # a model's shards hand off together
-            round_done = mesh.agreed_done(round_done, new_local_group(g.model_ranks, "gloo", o.timeout))
+        if g.model_ranks is not None and o.handoff.accumulate_while_communicating:  # a model's shards hand off together
+            round_done = mesh.agreed_done(round_done, new_local_group(g.model_ranks, "gloo", o.robustness.timeout))
         ctx = LoopContext(
             options=o, world_size=self.world_size, progress=self.progress, driver=self.driver, flat=self.flat,
             round_done=round_done, session=self.session, param_groups=self.param_groups,
             lr_schedulers=self.lr_schedulers, model_buffers=self.model_buffers, loss_scale=self.loss_scale)
-        return ElasticLoop(ctx) if o.accumulate_while_communicating else UpdateLoop(ctx)
+        return ElasticLoop(ctx) if o.handoff.accumulate_while_communicating else UpdateLoop(ctx)
 
     def describe(self) -> Dict[str, Any]:
         """What a state dict of this optimizer holds, independent of the world size (format 3)."""
         classes = list(dict.fromkeys(self.classes))
         out = {"format": FORMAT_VERSION, "mode": self.options.mode.value,
                "optimizer": "+".join(class_name(c) for c in classes), "layout": self.layout.describe(),
-               "dtypes": f"compute {self.options.compute_dtype}, master {self.flat.master.dtype}"}
+               "dtypes": f"compute {self.options.precision.compute_dtype}, master {self.flat.master.dtype}"}
         if self.shards.any:  # the placements and this rank's model shard: another shard's state is refused
             out["mesh"] = f"{self.shards.describe()} as {self.shards.shard_name()}"
         return out
@@ -320,7 +317,7 @@ class Runtime:
             raise NotImplementedError(
                 "AccoOptimizer with a GradScaler on DTensor parameters (FSDP2, tensor parallelism) is not supported "
                 "yet: train in bf16 (no loss scaling; torchtitan's default), or without DTensor parameters")
-        if self.options.nonfinite == "raise":
+        if self.options.robustness.nonfinite == "raise":
             raise ValueError(
                 "AccoOptimizer(nonfinite='raise') with a GradScaler: the scaler expects an update whose gradient is "
                 "not finite to be skipped (then it lowers the scale). Build it with nonfinite='skip' (the default)")
