@@ -9,7 +9,7 @@ PY     := $(VENV)/bin/python
 PIP    := $(PY) -m pip
 TORCH_PIN ?= torch==2.13.0
 
-.PHONY: venv test test-all dist-check demo study lr-study bench clean
+.PHONY: venv test test-all mutations dist-check demo study lr-study bench clean
 
 $(VENV)/.ready: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -28,6 +28,11 @@ test: $(VENV)/.ready
 ## network namespaces (as root), how processes end under signals, and equivalences at 1, 3 and 4 ranks.
 test-all: $(VENV)/.ready
 	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=15
+
+## The mutations (tests/mutations.py) of the files changed since .ci/mutation-base (the main that the last
+## landed change was checked against): each breaks the library and its tests must fail. CI runs this.
+mutations: $(VENV)/.ready
+	OMP_NUM_THREADS=1 $(PY) tests/mutations.py --touched $$(cat .ci/mutation-base)
 
 ## The package as users install it: build the wheel and sdist (python -m build, into dist/), install the wheel
 ## into a fresh venv (.dist-venv, with torch pinned as above) and, from outside the clone, import it, take a 2-rank
