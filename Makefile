@@ -22,12 +22,12 @@ venv: $(VENV)/.ready
 ## The quick tier (CPU; multi-rank tests on gloo, each with a timeout): unit tests, the oracle equivalences at
 ## 2 ranks, one run of each integration, one TP and one FSDP2 mesh, the README's block. Tests marked slow are left out.
 test: $(VENV)/.ready
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not slow"
+	ACCO_REQUIRE_EXTRAS=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q -m "not slow"
 
 ## Every test (what CI runs): the quick tier, plus launches of the examples, studies and benchmarks, two hosts on
 ## network namespaces (as root), how processes end under signals, and equivalences at 1, 3 and 4 ranks.
 test-all: $(VENV)/.ready
-	OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=15
+	ACCO_REQUIRE_EXTRAS=1 OMP_NUM_THREADS=1 $(PY) -m pytest -q --durations=15
 
 ## The mutations (tests/mutations.py) of the files changed since .ci/mutation-base (the main that the last
 ## landed change was checked against): each breaks the library and its tests must fail. CI runs this.

@@ -63,6 +63,7 @@ def test_format2_checkpoint_resumes_bit_identically():
     it, continues to the very same weights."""
     expected = torch.load(os.path.join(HERE, "expected.pt"), weights_only=True)
     for outs in run_ranks(_forms, 2, ("dcp", "rank", "gathered")):
+        assert sorted(outs) == ["dcp", "gathered", "rank"], outs
         for form, out in outs.items():
             assert torch.equal(out["after_step"], expected["after_step"]), form
             assert torch.equal(out["final"], expected["final"]), form

@@ -401,9 +401,8 @@ def _one_rank_only_worker(rank, world, flag, call):
     per_update = None if call == "first step" else 2
     opt = AccoOptimizer(model.parameters(), microbatches_per_update=per_update, lr=1e-2,
                         timeout=datetime.timedelta(seconds=2))
-    out = ("no error", 0.0)
+    out = ("no error", None)
     if rank == 0:
-        start = time.monotonic()
         try:
             if call == "first step":
                 for j in range(2):
@@ -412,12 +411,13 @@ def _one_rank_only_worker(rank, world, flag, call):
             else:
                 acco.checkpoint.gather(opt, model=model)
         except RuntimeError as exc:
-            out = (str(exc), time.monotonic() - start)
+            out = (str(exc), None)
         open(flag, "w").close()  # rank 1 may leave now
     else:
         until = time.monotonic() + 10
         while not os.path.exists(flag) and time.monotonic() < until:
             time.sleep(0.05)
+        out = (None, os.path.exists(flag))  # whether rank 0 raised while this rank was still there
     return out
 
 
@@ -427,8 +427,11 @@ def _one_rank_only_worker(rank, world, flag, call):
 def test_a_collective_call_made_on_one_rank_only_says_so(tmp_path, call, name):
     from _dist import run_ranks
 
-    msg, waited = run_ranks(_one_rank_only_worker, 2, str(tmp_path / "raised"), call, may_die={1})[0]
-    assert waited < 6, f"rank 0 waited {waited:.0f} s: until rank 1 left (at 10 s), not the optimizer's 2 s timeout"
+    results = run_ranks(_one_rank_only_worker, 2, str(tmp_path / "raised"), call, may_die={1})
+    msg = results[0][0]
+    # Rank 1 stays 10 s: rank 0 raised before it left, by the optimizer's 2 s timeout, not because rank 1 went.
+    assert results[1] is not None and results[1][1], (
+        f"rank 0 raised only after rank 1 left (at 10 s), not within the optimizer's 2 s timeout: {results}")
     assert msg.startswith(f"AccoOptimizer {name}: waiting for the other ranks failed"), msg
     assert "every rank must make this call at the same point" in msg, msg
 
@@ -441,7 +444,6 @@ def _one_more_update_worker(rank: int, world: int) -> dict:
     for mode, call in CASES_AHEAD:
         model = make_model()
         opt = AccoOptimizer(model.parameters(), mode=mode, microbatches_per_update=2, lr=1e-2)
-        t0 = time.monotonic()
         try:
             for t in range(3 + rank):
                 for j in range(2):
@@ -454,9 +456,9 @@ def _one_more_update_worker(rank: int, world: int) -> dict:
                 acco.checkpoint.gather(opt, model=model)
             else:
                 opt.consolidated_state_dict()
-            out[mode, call] = {"type": None, "error": "no error", "s": time.monotonic() - t0}
-        except RuntimeError as exc:
-            out[mode, call] = {"type": type(exc).__name__, "error": str(exc), "s": time.monotonic() - t0}
+            out[mode, call] = {"type": None, "error": "no error"}
+        except RuntimeError as exc:  # a timeout would be a RoundFailedError naming a dead peer, not this
+            out[mode, call] = {"type": type(exc).__name__, "error": str(exc)}
     return out
 
 
@@ -475,7 +477,6 @@ def test_a_rank_one_update_ahead_is_told_on_every_rank():
             r = results[case]
             assert r["type"] == "RoundMismatchError", (rank, case, r)
             assert "ran different numbers of updates" in r["error"] and "next_update_index" in r["error"], (rank, r)
-            assert r["s"] < 30, (rank, case, r)  # at once: neither waits for a timeout
 
 
 def test_every_public_exception_lives_in_acco_errors_and_disagreements_are_runtime_errors():

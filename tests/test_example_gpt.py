@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import math
 import sys
@@ -11,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from _dist import run_command
+from extras import available
 
 pytestmark = pytest.mark.slow  # make test-all only: the example's launches
 
@@ -58,10 +58,10 @@ def test_example_default_corpus_and_slow_rank_accumulation(tmp_path):
                   "--max-microbatches", "0")
     assert s["updates"] == 4
     fast, slow = s["mean_microbatches_per_round"]
-    assert fast >= slow, s["mean_microbatches_per_round"]
+    assert fast > slow, s["mean_microbatches_per_round"]  # the fast rank accumulated extra micro-batches
 
 
-@pytest.mark.skipif(importlib.util.find_spec("transformers") is None, reason="needs transformers (pip install -e '.[hf]')")
+@pytest.mark.skipif(not available("transformers", "hf"), reason="needs transformers (pip install -e '.[hf]')")
 def test_example_trains_hugging_face_gpt_neo(tmp_path, corpus):
     """Check the drop-in claim on a model we did not write: HF GPTNeoForCausalLM from a config."""
     s = _torchrun(tmp_path, "hf", "--optimizer", "acco", "--model", "hf-gpt-neo", "--data", corpus)

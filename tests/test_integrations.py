@@ -17,13 +17,10 @@ import pytest
 import torch
 
 from _dist import run_command
+from extras import need
 
-if os.environ.get("CI"):  # CI installs the extras (make test): a missing one is a failure, not a skip
-    import accelerate  # noqa: F401
-    import transformers  # noqa: F401
-else:
-    pytest.importorskip("transformers")
-    pytest.importorskip("accelerate")
+need("transformers", "hf")  # make test installs the extras and fails here without them (tests/extras.py)
+need("accelerate", "hf")
 
 HERE = os.path.dirname(__file__)
 

@@ -16,8 +16,9 @@ import pytest
 import torch
 
 from _dist import run_command
+from extras import need
 
-pytest.importorskip("lightning")  # an extra: `make test` installs it, so CI runs these
+need("lightning", "lightning")  # an extra: `make test` installs it and fails here without it
 
 SCRIPT = os.path.join(os.path.dirname(__file__), "lightning_script.py")
 
