@@ -93,12 +93,22 @@ def locate(where: str) -> List[Tuple[pathlib.Path, Tuple[int, int]]]:
 
 
 def find(where: str, old: str, new: str) -> Anchor:
-    """The one place ``old`` occurs in ``where``; raises ``LookupError`` saying why there is not exactly one."""
+    """The one place ``old`` occurs in ``where`` (of the functions so named, the one whose code holds it);
+    raises ``LookupError`` saying why there is not exactly one."""
     hits = locate(where)
-    if len(hits) != 1:
-        raise LookupError(f"{where!r} names {len(hits)} functions in src/acco (want one; 'file.py::{where}' picks)")
-    path, (first, last) = hits[0]
-    return anchor_in(path, path.read_text(), first, last, old, new, where)
+    if not hits:
+        raise LookupError(f"{where!r} names no function in src/acco")
+    found, errors = [], []
+    for path, (first, last) in hits:  # a name two modules define: the one whose code holds the mutation's
+        try:
+            found.append(anchor_in(path, path.read_text(), first, last, old, new, where))
+        except LookupError as exc:
+            errors.append(str(exc))
+    if len(found) != 1:
+        raise LookupError(errors[0] if len(hits) == 1 else
+                          f"{where!r}: {len(found)} of the {len(hits)} functions of that name hold the mutation's "
+                          f"code (want one; 'file.py::{where}' picks)")
+    return found[0]
 
 
 def anchor_in(path: pathlib.Path, source: str, first: int, last: int, old: str, new: str, where: str = "") -> Anchor:

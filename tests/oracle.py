@@ -140,6 +140,42 @@ def reference_run(
     return after_step, [t.clone() for t in model]
 
 
+def quantized(x: torch.Tensor, kind: str, block: int, n_ranks: int) -> torch.Tensor:
+    """What a rank's flat buffer ``x`` stands for after the 8-bit trip of ``algorithm.md`` ("Compressed rounds"):
+    cut into ``n_ranks`` chunks of ``ceil(numel / n_ranks)`` (zero padding at the end), each chunk into blocks of
+    ``block`` (the last one shorter); every block scaled by its largest magnitude over 127 (int8, rounded to
+    nearest even and clamped) or over 448 (fp8 e4m3), a block of zeros by 1, and back as ``q * s`` in fp32."""
+    top = 127.0 if kind == "int8" else 448.0
+    size = -(-x.numel() // n_ranks)
+    padded = torch.zeros(size * n_ranks, dtype=torch.float32)
+    padded[: x.numel()] = x
+    out = torch.empty_like(padded)
+    for c in range(n_ranks):
+        for a in range(c * size, (c + 1) * size, block):
+            b = min(a + block, (c + 1) * size)
+            v = padded[a:b]
+            peak = float(v.abs().max())
+            s = torch.tensor(peak, dtype=torch.float32) / top if peak > 0 else torch.tensor(1.0)
+            if kind == "int8":
+                q = torch.clamp(torch.round(v / s), -top, top)
+            else:
+                q = torch.clamp(v / s, -top, top).to(torch.float8_e4m3fn).float()
+            out[a:b] = q * s
+    return out[: x.numel()]
+
+
+def _flat(ts: Tensors) -> torch.Tensor:
+    return torch.cat([t.reshape(-1).float() for t in ts])
+
+
+def _unflat(x: torch.Tensor, like: Tensors) -> Tensors:
+    out, at = [], 0
+    for t in like:
+        out.append(x[at: at + t.numel()].view_as(t).to(t.dtype))
+        at += t.numel()
+    return out
+
+
 def update_run(
     theta0: Tensors,
     make_opt: MakeOpt,
@@ -156,6 +192,8 @@ def update_run(
     estimate_microbatches: Optional[int] = None,
     estimate_extrapolation: float = 1.0,
     delay_correction: float = 0.0,
+    compression: Optional[str] = None,
+    compression_block: int = 256,
 ):
     """One ``step()`` per update of ``m`` micro-batches per rank (``algorithm.md``, "Hand-offs in the user's loop").
 
@@ -172,7 +210,10 @@ def update_run(
     norm. ``estimate_microbatches``: ``h``, when not the first half. ``estimate_extrapolation``: ``c``, the
     estimate is ``theta + c * (Opt*(theta, g) - theta)`` (before the cast to ``estimate_dtype``).
     ``delay_correction``: ``c`` of mode dpu's error feedback, ``theta_{k+1} = theta_k - u_k - c (u_k - u_{k-1})``
-    with ``u`` the optimizer's steps, on every update that is not synchronous and follows one that was not. The average multiplies the ranks' sum by ``1/n_ranks`` (an estimate's by ``m/(h n_ranks)``), in
+    with ``u`` the optimizer's steps, on every update that is not synchronous and follows one that was not.
+    ``compression``: each rank's sum travels :func:`quantized`, the ranks' dequantized sums added in rank order;
+    a commit's sum first takes the rank's residual, which becomes what its quantization dropped (the estimate's
+    has none). The average multiplies the ranks' sum by ``1/n_ranks`` (an estimate's by ``m/(h n_ranks)``), in
     the float the library uses, so that exact sums give the very same inputs to an optimizer that rounds
     (Muon orthogonalises in bf16).
 
@@ -191,39 +232,49 @@ def update_run(
     previous: List[Optional[torch.Tensor]] = [None] * len(theta)  # delay_correction: u_{k-1} of each tensor
     seen = [False] * len(theta)  # whether tensor i got a gradient in the update so far, on any rank
 
+    own: List[Tensors] = []  # compression: each rank's sum of the update so far
+    residual = [torch.zeros(sum(t.numel() for t in theta)) for _ in range(n_ranks)]
+
     def accumulate(accum: Tensors, count: int) -> None:
         for r in range(n_ranks):
             for _ in range(count):
-                for i, (a, g) in enumerate(zip(accum, grad_fn(r, nxt[r], model))):
+                for i, (a, o, g) in enumerate(zip(accum, own[r], grad_fn(r, nxt[r], model))):
                     if g is not None:
                         a += g
+                        o += g
                         seen[i] = True
                 nxt[r] += 1
+
+    def travelled(accum: Tensors, commit: bool) -> Tensors:
+        """The ranks' sum as the round sums it: ``accum`` itself, or each rank's through the 8-bit trip."""
+        if compression is None:
+            return accum
+        total = None
+        for r in range(n_ranks):
+            x = _flat(own[r]) + (residual[r] if commit else 0.0)
+            sent = quantized(x, compression, compression_block, n_ranks)
+            if commit:
+                residual[r] = x - sent
+            total = sent if total is None else total + sent
+        return _unflat(total, accum)
 
     for t in range(n_updates):
         if lr_at is not None:
             for g in opt.param_groups:
                 g["lr"] = lr_at(t)
         accum = [torch.zeros_like(x) for x in theta]
+        own[:] = [[torch.zeros_like(x) for x in theta] for _ in range(n_ranks)]
         seen[:] = [False] * len(theta)
         synchronous = t < synchronous_updates or (learned and t == 0)
         if mode == "acco" and not synchronous:
             if estimate_dtype is None:
                 accumulate(accum, h)
-                first = accum
+                first = travelled(accum, commit=False)
             else:  # per rank, then summed over ranks in estimate_dtype
+                accumulate(accum, h)
                 first = None
                 for r in range(n_ranks):
-                    own = [torch.zeros_like(x) for x in theta]
-                    for _ in range(h):
-                        for i, (o, g) in enumerate(zip(own, grad_fn(r, nxt[r], model))):
-                            if g is not None:
-                                o += g
-                                seen[i] = True
-                        nxt[r] += 1
-                    for a, o in zip(accum, own):
-                        a += o
-                    low = [o.to(estimate_dtype) for o in own]
+                    low = [o.to(estimate_dtype) for o in own[r]]
                     first = low if first is None else [f + x for f, x in zip(first, low)]
                 first = [f.to(theta[0].dtype) for f in first]
             if pending is not None:  # hand-off of the estimate: theta_t into the model
@@ -234,14 +285,16 @@ def update_run(
                 estimate = [x.to(estimate_dtype).to(theta[0].dtype) for x in estimate]
             accumulate(accum, m - h)
             model = estimate  # step(): theta~_{t+1} into the model, the commit in flight
-            _opt_step(opt, theta, clipped([a * (1.0 / n_ranks) for a in accum], max_grad_norm), seen)
+            _opt_step(opt, theta, clipped([a * (1.0 / n_ranks) for a in travelled(accum, True)], max_grad_norm),
+                      seen)
             pending = [x.detach().clone() for x in theta]
         else:
             accumulate(accum, m)
             if mode == "dpu" and pending is not None:
                 model = [x.clone() for x in pending]
             before = [x.detach().clone() for x in theta]
-            _opt_step(opt, theta, clipped([a * (1.0 / n_ranks) for a in accum], max_grad_norm), seen)
+            _opt_step(opt, theta, clipped([a * (1.0 / n_ranks) for a in travelled(accum, True)], max_grad_norm),
+                      seen)
             if mode == "dpu" and delay_correction and not synchronous:
                 for i, (b, x) in enumerate(zip(before, theta)):
                     if not seen[i]:  # not stepped: no feedback, its last step stays recorded

@@ -23,11 +23,11 @@ LAYERS = {
     6: ["runtime"],
     5: ["loops", "driver", "state.io", "state.target", "state.consolidated"],
     4: ["options", "buffers", "progress", "state.pieces", "state.legacy"],
-    3: ["rounds", "_validation", "state.checksums", "policies"],
+    3: ["rounds", "_validation", "state.checksums", "policies", "state.residual"],
     2: ["wrapped", "scheduler", "mesh", "grads", "session", "hooks", "state.format", "introspection",
-        "integrations._given", "round_checks", "precision"],
+        "integrations._given", "round_checks", "precision", "compressed"],
     1: ["modes", "errors", "device_api", "placement", "arrivals", "functional", "snapshot", "collectives",
-        "agreement", "amp", "ddp", "stats", "launch", "shard_buffers", "torch_hooks"],
+        "agreement", "amp", "ddp", "stats", "launch", "shard_buffers", "torch_hooks", "quantize"],
 }
 PACKAGES = {"acco": 10, "state": 0, "integrations": 10}  # the packages' __init__: re-exports (state's: nothing)
 

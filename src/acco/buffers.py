@@ -29,7 +29,8 @@ import torch
 from . import arrivals as _arrivals
 from .grads import GradBinding
 from .placement import Layout
-from .shard_buffers import ShardBuffers
+from .quantize import packed_size
+from .shard_buffers import Packed, ShardBuffers
 from .stats import nbytes
 
 __all__ = ["FlatBuffers"]
@@ -43,21 +44,21 @@ class FlatBuffers:
         params: Sequence[torch.Tensor],
         layout: Layout,
         rank: int,
-        compute_dtype: torch.dtype,
-        accumulation_dtype: torch.dtype,
-        reduce_dtype: torch.dtype,
+        precision: Any,
         separate_grads: bool,
         collectives: str,
-        estimate_dtype: Optional[torch.dtype] = None,
     ) -> None:
+        """``precision``: the resolved ``PrecisionPolicy`` (every dtype concrete; compression)."""
         self.params = list(params)
         self.layout = layout
-        self.compute_dtype = compute_dtype
+        self.compute_dtype = compute_dtype = precision.compute_dtype
         self.rank = rank
         device = self.params[0].device
         param_dtype = self.params[0].dtype
         master_dtype = torch.float64 if param_dtype == torch.float64 else torch.float32
-        cd, ad, rd, n, s = compute_dtype, accumulation_dtype, reduce_dtype, layout.padded_numel, layout.shard_size
+        estimate_dtype = precision.estimate_dtype
+        cd, ad, rd = compute_dtype, precision.accumulation_dtype, precision.reduce_dtype
+        n, s = layout.padded_numel, layout.shard_size
 
         master = _master_slice(self.params, layout, rank, master_dtype, cd)
 
@@ -93,6 +94,8 @@ class FlatBuffers:
         self._grad_is_sum = self.grads is self.accum or self.fold_on_arrival
         self.shard = _shard_buffers(self.comm, self.comm_weights, master, layout, len(self.params), cd, rd,
                                     collectives, self.comm_low, low_slice)
+        if precision.compression is not None:
+            self.shard.packed = _packed(precision.compression, precision.compression_block, layout, ad, device)
 
     @property
     def master(self) -> torch.Tensor:
@@ -222,11 +225,23 @@ class FlatBuffers:
                               else [b.staging, b.grad_staging]),  # (an estimate's low_slice lives in comm)
             "optimizer_state": nbytes(optimizer_state),
             "estimate_scratch": nbytes(scratch),
+            # compression: the quantized chunks out and in, and the error feedback's residual (full size)
+            "compressed": 0 if b.packed is None else nbytes([b.packed.send, b.packed.recv]),
+            "residual": 0 if b.packed is None else nbytes([b.packed.residual]),
             "round_temporaries": temporaries,
         }
         # the persistent buffers; round_temporaries come and go within a round
         report["library_total"] = sum(v for k, v in report.items() if k not in ("params", "round_temporaries"))
         return report
+
+
+def _packed(kind: str, block: int, layout: Any, accumulation_dtype: torch.dtype, device: torch.device) -> Packed:
+    """A compressed round's buffers: ``N`` packed chunks out, ``N`` in, and the residual (zero at the start)."""
+    chunk = packed_size(layout.shard_size, block)
+    n = layout.world_size * chunk
+    return Packed(kind, block, chunk, torch.zeros(n, dtype=torch.uint8, device=device),
+                  torch.zeros(n, dtype=torch.uint8, device=device),
+                  torch.zeros(layout.padded_numel, dtype=accumulation_dtype, device=device))
 
 
 def _master_slice(params: List[torch.Tensor], layout: Any, rank: int, master_dtype: torch.dtype,

@@ -210,7 +210,7 @@ def _no_optimizer_here(where: str, meta: Dict[str, Any], shard: Optional[str]) -
 
 
 COMPLETE = ".acco-complete"
-_PIECES = tuple(f"optim/{k}/" for k in PIECE_SECTIONS)
+_PIECES = tuple(f"optim/{k}/" for k in (*PIECE_SECTIONS, "residual"))  # per rank: compression's residuals
 
 
 def latest(root: str) -> Optional[str]:

@@ -289,14 +289,48 @@ class PrecisionPolicy:
         "estimate, ranks that run different numbers of micro-batches hang until the timeout instead of raising "
         "`RoundMismatchError`; `None` keeps the error ([settings](settings.md))."))
 
+    compression: Optional[str] = option(None, "`None`", (
+        '`"int8"` or `"fp8"` (e4m3): the gradients travel in 8 bits with an fp32 scale per block of '
+        "`compression_block` elements, as an all-to-all of each rank's quantized chunks that every owner "
+        "dequantizes and sums in fp32 (nothing is re-quantized on the way). Each rank keeps an error-feedback "
+        "residual, a gradient-sized buffer in the accumulation dtype (checkpointed), so what a commit round's "
+        "quantization drops is sent with the next one; the estimate round quantizes without feedback. `None`: "
+        "the gradients travel in `reduce_dtype` ([algorithm](algorithm.md#compressed-rounds)). With it, "
+        "`estimate_dtype` and `reduce_dtype` stay unset."))
+    compression_block: int = option(256, "`256`", (
+        "With `compression`: the elements that share one scale (each 4 bytes more per block: 1.6% of the "
+        "payload at 256). Smaller blocks follow the gradient's range more closely."))
+
     def resolved(self, param_dtype: torch.dtype, mode: Mode, world_size: int) -> "PrecisionPolicy":
         """Every dtype concrete: ``compute_dtype`` None is the parameters'; the accumulation dtype from the compute
-        dtype; the reduce dtype from the accumulation dtype; ``estimate_dtype="auto"`` from all three."""
+        dtype; the reduce dtype from the accumulation dtype; ``estimate_dtype="auto"`` from all three (None with
+        ``compression``: the estimate is compressed like the commit)."""
+        self._check_compression()
         compute = self.compute_dtype or param_dtype
         accumulation = P.check_accumulation_dtype(self.accumulation_dtype, compute)
         reduce = P.check_reduce_dtype(self.reduce_dtype, accumulation, compute)
-        estimate = P.resolve_estimate_dtype(self.estimate_dtype, mode, compute, reduce, world_size)
-        return PrecisionPolicy(compute, accumulation, reduce, estimate)
+        if self.compression is None:
+            estimate = P.resolve_estimate_dtype(self.estimate_dtype, mode, compute, reduce, world_size)
+        else:
+            estimate = None
+        return dataclasses.replace(self, compute_dtype=compute, accumulation_dtype=accumulation, reduce_dtype=reduce,
+                                   estimate_dtype=estimate)
+
+    def _check_compression(self) -> None:
+        kind, block = self.compression, self.compression_block
+        if kind is not None and kind not in ("int8", "fp8"):
+            raise ValueError(f"compression must be None, 'int8' or 'fp8', got {kind!r}")
+        if not _is_int(block, 1):
+            raise ValueError(f"compression_block must be an int >= 1 (elements per scale), got {block!r}")
+        if kind is None:
+            return
+        if self.reduce_dtype is not None:
+            raise ValueError(f"reduce_dtype={self.reduce_dtype} with compression={kind!r}: the gradients travel in "
+                             "8 bits and are summed in fp32 by their owner. Drop reduce_dtype")
+        if self.estimate_dtype is not None and not (isinstance(self.estimate_dtype, str)
+                                                    and self.estimate_dtype == "auto"):
+            raise ValueError(f"estimate_dtype={self.estimate_dtype} with compression={kind!r}: the estimate round is "
+                             "compressed like the commit. Drop estimate_dtype")
 
 
 POLICIES = {"handoff": HandoffPolicy, "robustness": RobustnessPolicy, "delay": DelayPolicy,

@@ -43,6 +43,7 @@ import torch.distributed as dist
 from . import arrivals, functional
 from .errors import HyperParameterMismatchError, NonFiniteGradientError, RoundFailedError, RoundMismatchError
 from .collectives import all_gather_flat, all_reduce_sum, reduce_scatter_flat
+from .compressed import keep_residual, reduce_scatter_packed
 from .round_checks import (RoundReport, check_pairs_on_host, hyper_mismatch_message, mark_call, nonfinite_message,
                            round_mismatch_message)
 from .shard_buffers import ShardBuffers
@@ -205,6 +206,8 @@ def run_round(ctx: RoundContext, spec: RoundSpec) -> RoundResult:
     ctx.wrapped.write_hyper(spec.hyperparams)
     plan = _plan_step(ctx, kind, spec.delay_correction)
     decision = _decide(ctx, kind, pairs, norm, plan)  # 4. skip, raise, or undo on the device
+    if b.packed is not None and kind is RoundKind.COMMIT and not decision.skipped:  # comm still holds what was sent
+        keep_residual(b.comm, b.packed, b.grad.numel(), decision.undo)
     if ctx.max_grad_norm is not None and not decision.skipped:
         b.grad.mul_(clip_coefficient(norm, ctx.max_grad_norm).to(b.grad.dtype))
     # A parameter no rank had a gradient for is not stepped, and its state does not advance (torch's .grad None)
@@ -275,7 +278,11 @@ def _reduce_gradients(ctx: RoundContext, spec: RoundSpec) -> bool:
     b = ctx.buffers
     low = spec.kind is RoundKind.ESTIMATE and b.low_slice is not None
     landing = b.low_slice if low else b.grad_staging
-    if landing is None:
+    if b.packed is not None:  # compression: one all-to-all of quantized chunks, each owner's sum in fp32
+        if spec.kind is RoundKind.COMMIT:
+            b.comm.add_(b.packed.residual)  # error feedback: what the earlier commits' quantization dropped
+        reduce_scatter_packed(b.grad, b.comm, b.packed, ctx.group, b.grad.numel())
+    elif landing is None:
         reduce_scatter_flat(b.grad, b.comm, ctx.group, b.collectives)  # this rank's slice of the gradient sum
     else:
         reduce_scatter_flat(landing, b.comm_low if low else b.comm, ctx.group, b.collectives)

@@ -154,9 +154,9 @@ class Runtime:
             agreement.check_same_model(user, self.fingerprints(), self.layout.numel, len(self.params), device)
             agreement.broadcast_parameters(self.shards.locals, user)
         self.groups, counts = _make_groups(user, self.shards, o, device)
-        self.flat = FlatBuffers(self.shards.locals, self.layout, self.rank, pr.compute_dtype, pr.accumulation_dtype,
-                                pr.reduce_dtype, separate_grads=o.handoff.accumulate_while_communicating,
-                                collectives=ring_algorithm(self.groups.rounds), estimate_dtype=pr.estimate_dtype)
+        self.flat = FlatBuffers(self.shards.locals, self.layout, self.rank, pr,
+                                separate_grads=o.handoff.accumulate_while_communicating,
+                                collectives=ring_algorithm(self.groups.rounds))
         self.wrapped = self._wrap(classes, optimizer_kwargs, placed.index_of_group, device)
         self.scheduler = StreamScheduler(device)
         self.flat.shard.host_empty = self.scheduler.host_empty
@@ -317,6 +317,11 @@ class Runtime:
             raise NotImplementedError(
                 "AccoOptimizer with a GradScaler on DTensor parameters (FSDP2, tensor parallelism) is not supported "
                 "yet: train in bf16 (no loss scaling; torchtitan's default), or without DTensor parameters")
+        if self.options.precision.compression is not None:
+            raise NotImplementedError(
+                f"AccoOptimizer(compression={self.options.precision.compression!r}) with a GradScaler is not "
+                "supported yet: the error feedback's residual would carry one update's loss scale into the next. "
+                "Train in bf16 (no loss scaling), or drop compression")
         if self.options.robustness.nonfinite == "raise":
             raise ValueError(
                 "AccoOptimizer(nonfinite='raise') with a GradScaler: the scaler expects an update whose gradient is "

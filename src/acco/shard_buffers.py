@@ -8,7 +8,22 @@ from typing import Any, Optional
 
 import torch
 
-__all__ = ["ShardBuffers"]
+__all__ = ["Packed", "ShardBuffers"]
+
+
+@dataclass
+class Packed:
+    """A compressed round's buffers (``compression``, ``quantize.py``): ``send`` holds this rank's ``N``
+    quantized chunks end to end (``chunk`` bytes each, the chunk for rank ``j`` at ``j * chunk``), ``recv`` every
+    rank's chunk for this rank, in rank order; ``residual``: this rank's error feedback, full size, in the
+    accumulation dtype (what its commits' quantization has not yet sent)."""
+
+    kind: str  # "int8" | "fp8"
+    block: int  # elements per scale
+    chunk: int  # bytes of one packed chunk of shard_size elements
+    send: torch.Tensor
+    recv: torch.Tensor
+    residual: torch.Tensor
 
 
 @dataclass
@@ -48,3 +63,4 @@ class ShardBuffers:
     low_slice: Optional[torch.Tensor] = None
     host_empty: Any = None  # (shape, dtype) -> a host tensor the device writes without blocking (device checks)
     all_arrived: Optional[torch.Tensor] = None  # the row's arrival bits with every parameter's set (arrivals.pack)
+    packed: Optional[Packed] = None  # compression: the gradients travel quantized (rounds.py, compressed.py)

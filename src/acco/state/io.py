@@ -12,6 +12,7 @@ from typing import Any, Dict, Optional
 import torch
 
 from . import legacy as state_legacy
+from . import residual as state_residual
 from ..agreement import snapshot_hyperparams
 from .checksums import checksums, verify
 from ..errors import CheckpointError, RanksDisagreeError
@@ -65,6 +66,7 @@ def state_dict(owners: StateOwners, sharded: bool = False) -> Dict[str, Any]:
     scale = owners.loss_scale.scale_to_save() if owners.loss_scale is not None else None
     if scale is not None:
         out["loss_scale"] = torch.tensor(scale, dtype=torch.float64)
+    out.update(state_residual.entries(owners, sharded))  # compression: this rank's error feedback
     if sharded:
         out["meta"] = encode_meta(owners.describe)
     else:
@@ -224,6 +226,7 @@ def load_state_dict(owners: StateOwners, sd: Dict[str, Any], checked: bool = Fal
             all_gather_flat(flat.comm_weights, flat.master.to(flat.compute_dtype), owners.session.collective_group())
     flat.reset()
     restore_hyper(owners.param_groups, sd["hyper"])
+    state_residual.restore(owners, sd)
     owners.progress.take_hyper(snapshot_hyperparams(owners.param_groups))
     if owners.loss_scale is not None:
         owners.loss_scale.load(float(sd["loss_scale"]) if "loss_scale" in sd else None)

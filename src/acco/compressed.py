@@ -1,0 +1,57 @@
+"""A compressed round's gradient exchange (``compression``): each rank's chunks quantized, one all-to-all, each
+owner's sum in fp32; and the commit's error feedback (``docs/algorithm.md``, "Compressed rounds").
+
+Rank ``r`` quantizes chunk ``j`` of its buffer ``x`` (``shard_size`` elements, rank ``j``'s share) into
+``packed.send``; one all-to-all hands every owner the ``N`` quantized chunks of its share, which it dequantizes
+and adds in rank order, in fp32. No value is quantized twice, whatever ``N``: unlike a ring reduce-scatter,
+nothing is re-quantized at a hop. On a commit, ``x`` is the gradient sum plus the rank's residual, and the
+residual becomes what the quantization dropped, ``x - dequantize(quantize(x))``, once the round knows it takes
+its step (a skipped round leaves it as it was).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from .quantize import dequantize, quantize
+from .shard_buffers import Packed
+
+__all__ = ["keep_residual", "reduce_scatter_packed"]
+
+
+def _chunks(x: torch.Tensor, shard_size: int, world_size: int):
+    return [x[j * shard_size:(j + 1) * shard_size] for j in range(world_size)]
+
+
+def reduce_scatter_packed(out: torch.Tensor, x: torch.Tensor, packed: Packed, group: Optional[dist.ProcessGroup],
+                          shard_size: int) -> None:
+    """``out`` (this rank's share) = the sum over ranks, in rank order, of each rank's dequantized chunk for this
+    rank. Collective on ``group``: one all-to-all of ``N`` packed chunks (``None``: one process, a copy)."""
+    world = packed.send.numel() // packed.chunk
+    for j, chunk in enumerate(_chunks(x, shard_size, world)):
+        quantize(chunk, packed.kind, packed.block, packed.send[j * packed.chunk:(j + 1) * packed.chunk])
+    if group is None:
+        packed.recv.copy_(packed.send)
+    else:
+        # all-to-all: the j-th chunk of send to rank j; recv holds every rank's chunk for this rank, in rank order
+        dist.all_to_all_single(packed.recv, packed.send, group=group)
+    out.zero_()
+    for j in range(world):
+        out.add_(dequantize(packed.recv[j * packed.chunk:(j + 1) * packed.chunk], packed.kind, packed.block,
+                            shard_size))
+
+
+def keep_residual(x: torch.Tensor, packed: Packed, shard_size: int, undo: Optional[torch.Tensor] = None) -> None:
+    """The error feedback after a commit that steps: ``residual = x - dequantize(what was sent)``, chunk by chunk
+    (one chunk-sized temporary). ``undo`` (a device flag, the CUDA path): where set, the residual stays."""
+    world = packed.send.numel() // packed.chunk
+    for j, (xs, rs) in enumerate(zip(_chunks(x, shard_size, world), _chunks(packed.residual, shard_size, world))):
+        sent = dequantize(packed.send[j * packed.chunk:(j + 1) * packed.chunk], packed.kind, packed.block,
+                          shard_size)
+        new = xs.float().sub_(sent)
+        if undo is not None:
+            new = torch.where(undo, rs.float(), new)
+        rs.copy_(new)
