@@ -213,7 +213,7 @@ def update_run(
     with ``u`` the optimizer's steps, on every update that is not synchronous and follows one that was not.
     ``compression``: each rank's sum travels :func:`quantized`, the ranks' dequantized sums added in rank order;
     a commit's sum first takes the rank's residual, which becomes what its quantization dropped (the estimate's
-    has none). The average multiplies the ranks' sum by ``1/n_ranks`` (an estimate's by ``m/(h n_ranks)``), in
+    has none); and a round's weights arrive as the model's weights during the round plus the quantized change. The average multiplies the ranks' sum by ``1/n_ranks`` (an estimate's by ``m/(h n_ranks)``), in
     the float the library uses, so that exact sums give the very same inputs to an optimizer that rounds
     (Muon orthogonalises in bf16).
 
@@ -244,6 +244,14 @@ def update_run(
                         o += g
                         seen[i] = True
                 nxt[r] += 1
+
+    def arrived(weights: Tensors, reference: Tensors) -> Tensors:
+        """A round's weights as every rank gets them: exactly, or (compression) the weights every rank held
+        during the round plus the 8-bit trip of the change, per owner's chunk, in fp32."""
+        if compression is None:
+            return [w.detach().clone() for w in weights]
+        ref = _flat(reference)
+        return _unflat(ref + quantized(_flat(weights) - ref, compression, compression_block, n_ranks), reference)
 
     def travelled(accum: Tensors, commit: bool) -> Tensors:
         """The ranks' sum as the round sums it: ``accum`` itself, or each rank's through the 8-bit trip."""
@@ -284,10 +292,10 @@ def update_run(
             if estimate_dtype is not None:
                 estimate = [x.to(estimate_dtype).to(theta[0].dtype) for x in estimate]
             accumulate(accum, m - h)
-            model = estimate  # step(): theta~_{t+1} into the model, the commit in flight
+            model = arrived(estimate, model)  # step(): theta~_{t+1} into the model, the commit in flight
             _opt_step(opt, theta, clipped([a * (1.0 / n_ranks) for a in travelled(accum, True)], max_grad_norm),
                       seen)
-            pending = [x.detach().clone() for x in theta]
+            pending = arrived(theta, model)
         else:
             accumulate(accum, m)
             if mode == "dpu" and pending is not None:
@@ -304,7 +312,7 @@ def update_run(
                         with torch.no_grad():
                             x -= delay_correction * (u - previous[i])
                     previous[i] = u
-            pending = [x.detach().clone() for x in theta]
+            pending = arrived(theta, model)
             if mode == "sync" or synchronous:
                 model, pending = pending, None
         after_step.append([x.clone() for x in model])

@@ -95,7 +95,7 @@ class FlatBuffers:
         self.shard = _shard_buffers(self.comm, self.comm_weights, master, layout, len(self.params), cd, rd,
                                     collectives, self.comm_low, low_slice)
         if precision.compression is not None:
-            self.shard.packed = _packed(precision.compression, precision.compression_block, layout, ad, device)
+            self.shard.packed = _packed(precision, layout, rank, self.params, self.comm_views, device)
 
     @property
     def master(self) -> torch.Tensor:
@@ -235,13 +235,14 @@ class FlatBuffers:
         return report
 
 
-def _packed(kind: str, block: int, layout: Any, accumulation_dtype: torch.dtype, device: torch.device) -> Packed:
+def _packed(precision: Any, layout: Any, rank: int, params: List[torch.Tensor], views: List[torch.Tensor],
+            device: torch.device) -> Packed:
     """A compressed round's buffers: ``N`` packed chunks out, ``N`` in, and the residual (zero at the start)."""
-    chunk = packed_size(layout.shard_size, block)
+    chunk = packed_size(layout.shard_size, precision.compression_block)
     n = layout.world_size * chunk
-    return Packed(kind, block, chunk, torch.zeros(n, dtype=torch.uint8, device=device),
+    return Packed(precision, rank, chunk, torch.zeros(n, dtype=torch.uint8, device=device),
                   torch.zeros(n, dtype=torch.uint8, device=device),
-                  torch.zeros(layout.padded_numel, dtype=accumulation_dtype, device=device))
+                  torch.zeros(layout.padded_numel, dtype=precision.accumulation_dtype, device=device), params, views)
 
 
 def _master_slice(params: List[torch.Tensor], layout: Any, rank: int, master_dtype: torch.dtype,

@@ -1,5 +1,6 @@
-"""A compressed round's gradient exchange (``compression``): each rank's chunks quantized, one all-to-all, each
-owner's sum in fp32; and the commit's error feedback (``docs/algorithm.md``, "Compressed rounds").
+"""A compressed round's exchanges (``compression``, ``docs/algorithm.md``, "Compressed rounds"): the gradients
+(each rank's chunks quantized, one all-to-all, each owner's sum in fp32, and the commit's error feedback) and
+the weights (each owner's change against what every rank holds, quantized, one all-gather).
 
 Rank ``r`` quantizes chunk ``j`` of its buffer ``x`` (``shard_size`` elements, rank ``j``'s share) into
 ``packed.send``; one all-to-all hands every owner the ``N`` quantized chunks of its share, which it dequantizes
@@ -16,10 +17,11 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from .collectives import all_gather_flat
 from .quantize import dequantize, quantize
 from .shard_buffers import Packed
 
-__all__ = ["keep_residual", "reduce_scatter_packed"]
+__all__ = ["all_gather_packed", "keep_residual", "reduce_scatter_packed"]
 
 
 def _chunks(x: torch.Tensor, shard_size: int, world_size: int):
@@ -51,7 +53,28 @@ def keep_residual(x: torch.Tensor, packed: Packed, shard_size: int, undo: Option
     for j, (xs, rs) in enumerate(zip(_chunks(x, shard_size, world), _chunks(packed.residual, shard_size, world))):
         sent = dequantize(packed.send[j * packed.chunk:(j + 1) * packed.chunk], packed.kind, packed.block,
                           shard_size)
-        new = xs.float().sub_(sent)
+        new = xs.float() - sent
         if undo is not None:
             new = torch.where(undo, rs.float(), new)
         rs.copy_(new)
+
+
+def all_gather_packed(weights: torch.Tensor, source: torch.Tensor, packed: Packed,
+                      group: Optional[dist.ProcessGroup], shard_size: int, algorithm: str) -> None:
+    """``weights`` (the round buffer, compute dtype, full) = what every rank reconstructs: the model's current
+    weights (the previous round's, the same bits on every rank) plus each owner's dequantized change
+    ``source - reference`` of its share. The fp32 master stays exact, and as each round's change is taken
+    against what the ranks hold, the quantization's error does not build up. Collective on ``group``: one
+    all-gather of one packed chunk per rank (``algorithm``: the ring or the native one, ``collectives.py``)."""
+    # The reference, laid out as the weights are (padding zero). The model's parameters are only read here: the
+    # compute side reads them too, and writes them only at the next hand-off, after this round has finished.
+    weights.zero_()
+    torch._foreach_copy_(packed.views, [p.detach() for p in packed.params])
+    ref = weights[packed.rank * shard_size:(packed.rank + 1) * shard_size]
+    mine = packed.send[:packed.chunk]
+    quantize(source.float() - ref.float(), packed.kind, packed.block, mine)  # out of place: source may be the master
+    all_gather_flat(packed.recv, mine, group, algorithm)  # every owner's packed change, in rank order
+    world = packed.recv.numel() // packed.chunk
+    for j, w in enumerate(_chunks(weights, shard_size, world)):
+        w.copy_(w.float().add_(dequantize(packed.recv[j * packed.chunk:(j + 1) * packed.chunk], packed.kind,
+                                          packed.block, shard_size)))

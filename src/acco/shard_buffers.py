@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 import torch
 
@@ -13,17 +13,30 @@ __all__ = ["Packed", "ShardBuffers"]
 
 @dataclass
 class Packed:
-    """A compressed round's buffers (``compression``, ``quantize.py``): ``send`` holds this rank's ``N``
-    quantized chunks end to end (``chunk`` bytes each, the chunk for rank ``j`` at ``j * chunk``), ``recv`` every
-    rank's chunk for this rank, in rank order; ``residual``: this rank's error feedback, full size, in the
-    accumulation dtype (what its commits' quantization has not yet sent)."""
+    """A compressed round's buffers (``compression``, ``quantize.py``, ``compressed.py``): ``send`` holds this
+    rank's ``N`` quantized chunks end to end (``chunk`` bytes each, the chunk for rank ``j`` at ``j * chunk``),
+    ``recv`` every rank's chunk for this rank, in rank order (the all-gather of the weights uses their first
+    chunk and all of ``recv`` the same way); ``residual``: this rank's error feedback, full size, in the
+    accumulation dtype (what its commits' quantization has not yet sent); ``params`` and ``views``: the model's
+    parameters and their places in the round buffer's weights (the reference every rank holds alike);
+    ``policy``: the resolved ``PrecisionPolicy`` the round reads its settings from."""
 
-    kind: str  # "int8" | "fp8"
-    block: int  # elements per scale
+    policy: Any
+    rank: int  # this rank's place in the round group: its chunk of the weights
     chunk: int  # bytes of one packed chunk of shard_size elements
     send: torch.Tensor
     recv: torch.Tensor
     residual: torch.Tensor
+    params: List[torch.Tensor]
+    views: List[torch.Tensor]
+
+    @property
+    def kind(self) -> str:
+        return self.policy.compression
+
+    @property
+    def block(self) -> int:
+        return self.policy.compression_block
 
 
 @dataclass

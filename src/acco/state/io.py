@@ -221,9 +221,15 @@ def load_state_dict(owners: StateOwners, sd: Dict[str, Any], checked: bool = Fal
     flat = owners.flat
     if owners.progress.load_tensor(sd["counters"]):  # a commit collected at save time: in at the next hand-off
         from ..collectives import all_gather_flat
+        from ..compressed import all_gather_packed
 
+        group = owners.session.collective_group()
         with torch.no_grad():
-            all_gather_flat(flat.comm_weights, flat.master.to(flat.compute_dtype), owners.session.collective_group())
+            if flat.shard.packed is not None:  # as the round sent it: against the model's weights, just restored
+                all_gather_packed(flat.comm_weights, flat.master.to(flat.compute_dtype), flat.shard.packed, group,
+                                  flat.master.numel(), flat.shard.collectives)
+            else:
+                all_gather_flat(flat.comm_weights, flat.master.to(flat.compute_dtype), group)
     flat.reset()
     restore_hyper(owners.param_groups, sd["hyper"])
     state_residual.restore(owners, sd)
