@@ -194,6 +194,7 @@ def update_run(
     delay_correction: float = 0.0,
     compression: Optional[str] = None,
     compression_block: int = 256,
+    compression_weights: bool = True,
 ):
     """One ``step()`` per update of ``m`` micro-batches per rank (``algorithm.md``, "Hand-offs in the user's loop").
 
@@ -213,7 +214,8 @@ def update_run(
     with ``u`` the optimizer's steps, on every update that is not synchronous and follows one that was not.
     ``compression``: each rank's sum travels :func:`quantized`, the ranks' dequantized sums added in rank order;
     a commit's sum first takes the rank's residual, which becomes what its quantization dropped (the estimate's
-    has none); and a round's weights arrive as the model's weights during the round plus the quantized change. The average multiplies the ranks' sum by ``1/n_ranks`` (an estimate's by ``m/(h n_ranks)``), in
+    has none); and a round's weights arrive as the model's weights during the round plus the quantized change
+    (``compression_weights=False``: exactly). The average multiplies the ranks' sum by ``1/n_ranks`` (an estimate's by ``m/(h n_ranks)``), in
     the float the library uses, so that exact sums give the very same inputs to an optimizer that rounds
     (Muon orthogonalises in bf16).
 
@@ -248,7 +250,7 @@ def update_run(
     def arrived(weights: Tensors, reference: Tensors) -> Tensors:
         """A round's weights as every rank gets them: exactly, or (compression) the weights every rank held
         during the round plus the 8-bit trip of the change, per owner's chunk, in fp32."""
-        if compression is None:
+        if compression is None or not compression_weights:
             return [w.detach().clone() for w in weights]
         ref = _flat(reference)
         return _unflat(ref + quantized(_flat(weights) - ref, compression, compression_block, n_ranks), reference)

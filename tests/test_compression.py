@@ -28,6 +28,8 @@ CONFIGS += [
     ("adamw/acco/int8/clipped", "adamw", "acco", 2, "int8", 16, {"max_grad_norm": 0.05}),  # the dequantized norm
     ("adamw/dpu/int8/delay-correction", "adamw", "dpu", 2, "int8", 16, {"delay_correction": 1.0}),
     ("sgd/acco/int8/sync2", "sgd", "acco", 2, "int8", 16, {"synchronous_updates": 2}),
+    ("adamw/acco/int8/gradients-only", "adamw", "acco", 2, "int8", 16, {"compression_weights": False}),
+    ("sgd/dpu/fp8/gradients-only", "sgd", "dpu", 2, "fp8", 16, {"compression_weights": False}),
 ]
 # Mode acco with AdamW computes Opt* in functional.py, whose float operations round an ulp apart from torch's
 # step (the oracle's) here and there; a quantizer turns an ulp across one of its boundaries into a whole
@@ -61,7 +63,8 @@ def _worker(rank: int, world: int) -> dict:
         ref_steps, _, ref_final = update_run(
             theta0, lambda ps: cls(ps, **kw), mode, scaled, world, UPDATES, m,
             synchronous_updates=options.get("synchronous_updates", 0), max_grad_norm=options.get("max_grad_norm"),
-            delay_correction=options.get("delay_correction", 0.0), compression=kind, compression_block=block)
+            delay_correction=options.get("delay_correction", 0.0), compression=kind, compression_block=block,
+            compression_weights=options.get("compression_weights", True))
         exact = update_run(theta0, lambda ps: cls(ps, **kw), mode, scaled, world, UPDATES, m,
                            synchronous_updates=options.get("synchronous_updates", 0),
                            max_grad_norm=options.get("max_grad_norm"),
@@ -95,6 +98,7 @@ def test_compressed_rounds_equal_the_oracle(world, name):
 @pytest.mark.parametrize("options,error,words", [
     ({"compression": "int4"}, ValueError, "compression must be None, 'int8' or 'fp8'"),
     ({"compression": "int8", "compression_block": 0}, ValueError, "compression_block must be an int >= 1"),
+    ({"compression": "int8", "compression_weights": 1}, TypeError, "compression_weights must be True or False"),
     ({"compression": "int8", "reduce_dtype": torch.bfloat16}, ValueError, "Drop reduce_dtype"),
     ({"compression": "int8", "estimate_dtype": torch.bfloat16}, ValueError, "Drop estimate_dtype"),
 ])

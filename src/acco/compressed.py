@@ -66,6 +66,9 @@ def all_gather_packed(weights: torch.Tensor, source: torch.Tensor, packed: Packe
     ``source - reference`` of its share. The fp32 master stays exact, and as each round's change is taken
     against what the ranks hold, the quantization's error does not build up. Collective on ``group``: one
     all-gather of one packed chunk per rank (``algorithm``: the ring or the native one, ``collectives.py``)."""
+    if not packed.policy.compression_weights:  # only the gradients compressed: the weights as they are
+        all_gather_flat(weights, source, group, algorithm)
+        return
     # The reference, laid out as the weights are (padding zero). The model's parameters are only read here: the
     # compute side reads them too, and writes them only at the next hand-off, after this round has finished.
     weights.zero_()

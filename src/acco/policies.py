@@ -301,6 +301,11 @@ class PrecisionPolicy:
         "With `compression`: the elements that share one scale (each 4 bytes more per block: 1.6% of the "
         "payload at 256). Smaller blocks follow the gradient's range more closely."))
 
+    compression_weights: bool = option(True, "`True`", (
+        "With `compression`: the weights travel in 8 bits too, each owner sending its change against the weights "
+        "every rank holds (the fp32 master stays exact). `False`: only the gradients are compressed, and the "
+        "weights travel in the compute dtype."))
+
     def resolved(self, param_dtype: torch.dtype, mode: Mode, world_size: int) -> "PrecisionPolicy":
         """Every dtype concrete: ``compute_dtype`` None is the parameters'; the accumulation dtype from the compute
         dtype; the reduce dtype from the accumulation dtype; ``estimate_dtype="auto"`` from all three (None with
@@ -322,6 +327,8 @@ class PrecisionPolicy:
             raise ValueError(f"compression must be None, 'int8' or 'fp8', got {kind!r}")
         if not _is_int(block, 1):
             raise ValueError(f"compression_block must be an int >= 1 (elements per scale), got {block!r}")
+        if not isinstance(self.compression_weights, bool):
+            raise TypeError(f"compression_weights must be True or False, got {self.compression_weights!r}")
         if kind is None:
             return
         if self.reduce_dtype is not None:
