@@ -16,6 +16,13 @@ tokens, and one *update* = two micro-batches per rank:
                 update loop only, as the library has it).
 * ``sync``      AccoOptimizer(mode="sync", min_microbatches=2): ZeRO-1, one round
                 per update after both micro-batches.
+* ``acco-int8`` / ``acco-fp8``  mode acco with ``compression="int8"`` / ``"fp8"`` (both directions, error
+                feedback on the gradients; the estimate compressed like the commit).
+* ``acco-int8g`` mode acco with ``compression="int8", compression_weights=False`` (the gradients only).
+* ``ddp-fp16``  torch DDP + AdamW with torch's ``fp16_compress_hook`` (half the all-reduce's bytes; its
+                ``bf16_compress_hook`` refuses gloo: "required CUDA 11+ and NCCL 2.10+").
+* ``ddp-powersgd``  torch DDP + AdamW with torch's ``powerSGD_hook`` (rank 4, error feedback, warm start,
+                PowerSGD from the second all-reduce on).
 * ``ddp-zero``  torch DDP + ZeroRedundancyOptimizer: the first micro-batch under
                 ``no_sync()``, the second all-reduces in its backward, then the step.
 * ``ddp``       torch DDP + AdamW (every rank steps the whole model): the same
@@ -78,8 +85,11 @@ from acco.stats import nbytes, summarize  # noqa: E402
 
 import _launch  # noqa: E402  (this folder: the methods that run in one loop only)
 
-LIBRARY = ["acco", "acco-acc", "dpu", "dpu-ef", "sync"]
-METHODS = LIBRARY + ["ddp", "ddp-zero", "compute"]
+LIBRARY = ["acco", "acco-acc", "acco-int8", "acco-fp8", "acco-int8g", "dpu", "dpu-ef", "sync"]
+COMPRESSED = {"acco-int8": dict(compression="int8"), "acco-fp8": dict(compression="fp8"),
+              "acco-int8g": dict(compression="int8", compression_weights=False)}
+DDP = ["ddp", "ddp-fp16", "ddp-powersgd", "ddp-zero"]
+METHODS = LIBRARY + DDP + ["compute"]
 
 
 def parse_args(argv=None):
@@ -164,6 +174,9 @@ class Runner:
             if args.dtype != "fp32":
                 kw["compute_dtype"] = torch.bfloat16
             kw["estimate_dtype"] = torch.bfloat16 if args.estimate_dtype == "bf16" else None
+            if m in COMPRESSED:  # the estimate travels compressed like the commit
+                kw.update(COMPRESSED[m])
+                del kw["estimate_dtype"]
             if args.reduce_dtype != "default":
                 kw["reduce_dtype"] = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.reduce_dtype]
             params = model.parameters()
@@ -179,15 +192,25 @@ class Runner:
             return
         if args.dtype == "bf16":
             model.to(torch.bfloat16)  # pure bf16: parameters, gradients and AdamW state
-        if m in ("ddp", "ddp-zero"):
+        if m in DDP:
             from torch.distributed.optim import ZeroRedundancyOptimizer
-            from torch.nn.parallel import DistributedDataParallel as DDP
+            from torch.nn.parallel import DistributedDataParallel
 
-            self.net = DDP(model)
-            if m == "ddp" and args.optimizer == "muon":
+            self.net = DistributedDataParallel(model)
+            if m == "ddp-fp16":
+                from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+
+                self.net.register_comm_hook(None, default_hooks.fp16_compress_hook)
+            elif m == "ddp-powersgd":
+                from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
+
+                state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=4, start_powerSGD_iter=2,
+                                               use_error_feedback=True, warm_start=True)
+                self.net.register_comm_hook(state, powersgd.powerSGD_hook)
+            if m in ("ddp", "ddp-fp16", "ddp-powersgd") and args.optimizer == "muon":
                 hidden, rest = muon_split(model)
                 self.opt = _Both(torch.optim.Muon(hidden, **MUON), torch.optim.AdamW(rest, **kw))
-            elif m == "ddp":
+            elif m != "ddp-zero":
                 self.opt = torch.optim.AdamW(model.parameters(), **kw)
             else:
                 self.opt = ZeroRedundancyOptimizer(model.parameters(), optimizer_class=torch.optim.AdamW, **kw)
@@ -249,6 +272,15 @@ def ddp_memory(runner: Runner) -> dict:
     return report
 
 
+def tx_bytes():
+    """Bytes the testbed's interface has sent (``benchmarks/netns.py``: ``acco0`` in this rank's namespace)."""
+    try:
+        with open("/sys/class/net/acco0/statistics/tx_bytes") as f:
+            return int(f.read())
+    except OSError:
+        return None
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
@@ -260,12 +292,13 @@ def main(argv=None) -> None:
     g = torch.Generator().manual_seed(1234 + rank)
     data = [torch.randint(0, 256, (args.micro_batch, args.seq_len + 1), generator=g) for _ in range(4)]
     total = args.warmup + args.updates
-    t0 = start_mb = start_rounds = None
+    t0 = start_mb = start_rounds = tx0 = None
     compute_s = []
     while runner.updates_started < total:
         if t0 is None and runner.updates_started >= args.warmup:
             dist.barrier()  # the user's group, not the rounds': align the ranks before timing
             t0, start_mb = time.perf_counter(), 0 if runner.library else runner.committed_microbatches()
+            tx0 = tx_bytes()
             start_rounds = runner.opt.num_rounds if runner.library else 0
         batch = data[runner.mb % len(data)]
         tc = time.perf_counter()
@@ -277,6 +310,7 @@ def main(argv=None) -> None:
     # Steady state: the window ends at the hand-off of the last timed update, as it began at a
     # hand-off; the final round's drain in finish() happens once per run, not once per update.
     elapsed = time.perf_counter() - t0
+    tx1 = tx_bytes()
     runner.finish()
     if runner.library:  # micro-batches of the commits handed off after t0 (all ranks)
         rounds = [r for r in runner.opt.round_stats() if r["round"] >= start_rounds]
@@ -293,8 +327,10 @@ def main(argv=None) -> None:
         # one parameter-sized copy, in fp32 and in the compute dtype (bf16 for bf16 and amp)
         "param_bytes_fp32": 4 * numel, "param_bytes_compute": (4 if args.dtype == "fp32" else 2) * numel,
         "step_call_s": sum(compute_s) / max(1, len(compute_s)),
+        # what this rank's interface sent over the timed updates (netns testbed only), per update
+        "tx_bytes_per_update": None if tx0 is None else (tx1 - tx0) / args.updates,
     }
-    if runner.method in ("ddp", "ddp-zero"):
+    if runner.method in DDP:
         record["memory"] = ddp_memory(runner)
     if runner.library:
         record["rounds"] = rounds
