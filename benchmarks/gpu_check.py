@@ -770,6 +770,47 @@ def _dtensor_lines(d: Dict[str, Any], dry: bool) -> List[str]:
             "them)."]
 
 
+def check_quantize(device: str, dry: bool, repeats: int) -> Dict[str, Any]:
+    """What compression (``compression="int8"`` / ``"fp8"``) costs a round on one device: the time to quantize
+    and to dequantize one round's gradients, examples/gpt's decoder at 65,536 tokens per update (section 9's
+    model), blocks of 256, against the bytes the round then sends (median of ``repeats`` timed runs after one
+    warm-up each)."""
+    from acco.quantize import dequantize, packed_size, quantize
+
+    cfg, _, _ = gpt_setup(dry)
+    from model import GPT  # noqa: E402  (gpt_setup put examples/gpt on the path)
+
+    numel = sum(p.numel() for p in GPT(cfg).parameters())
+    x = torch.randn(numel, device=device)
+    packed = torch.empty(packed_size(numel, 256), dtype=torch.uint8, device=device)
+    out: Dict[str, Any] = {"params": numel, "packed_bytes": packed.numel(), "fp32_bytes": 4 * numel}
+    for kind in ("int8", "fp8"):
+        q_s, d_s = [], []
+        for i in range(repeats + 1):
+            synchronize(device)
+            t0 = time.perf_counter()
+            quantize(x, kind, 256, packed)
+            synchronize(device)
+            t1 = time.perf_counter()
+            y = dequantize(packed, kind, 256, numel)
+            synchronize(device)
+            if i:
+                q_s.append(t1 - t0)
+                d_s.append(time.perf_counter() - t1)
+        out[kind] = {"quantize_ms": 1e3 * statistics.median(q_s), "dequantize_ms": 1e3 * statistics.median(d_s),
+                     "max_rel_error": float((y - x).abs().max() / x.abs().max())}
+    return out
+
+
+def _quantize_lines(o: Dict[str, Any], dry: bool) -> List[str]:
+    rows = [f"One round's gradients of {o['params'] / 1e6:.1f}M parameters ({o['fp32_bytes'] / 1e6:.0f} MB in fp32, "
+            f"{o['packed_bytes'] / 1e6:.0f} MB packed), blocks of 256, median of the timed runs:", "",
+            "| kind | quantize ms | dequantize ms | max error / max value |", "|---|---|---|---|"]
+    rows += [f"| {k} | {o[k]['quantize_ms']:.3f} | {o[k]['dequantize_ms']:.3f} | {o[k]['max_rel_error']:.2g} |"
+             for k in ("int8", "fp8")]
+    return rows
+
+
 _SECTIONS = [  # (results key, heading, lines of a section that did not raise)
     ("tests", "### 1. CUDA tests", _tests_lines),
     ("trace", "### 2. Profiler trace (4 updates of 4 micro-batches, mode acco)", _trace_lines),
@@ -782,6 +823,7 @@ _SECTIONS = [  # (results key, heading, lines of a section that did not raise)
     ("gpt", lambda o: f"### 9. Per-update time at {o.get('tokens_per_update', 65536):,} tokens per update, ACCO vs "
                       "plain AdamW (one device)", _gpt_lines),
     ("dtensor", "### 10. DTensor parameters (tensor parallelism, FSDP2) on the device", _dtensor_lines),
+    ("quantize", "### 11. Compressed rounds: quantizing one round's gradients", _quantize_lines),
 ]
 
 
@@ -862,6 +904,7 @@ def main(argv: Sequence[str] = None) -> Dict[str, Any]:
         "exits": (check_exits, device),
         "gpt": (check_gpt_overhead, device, dry, args.repeats or (1 if dry else 5)),
         "dtensor": (check_dtensor, device),
+        "quantize": (check_quantize, device, dry, args.repeats or (2 if dry else 10)),
     }
     only = [k for k in args.only.split(",") if k] if args.only else list(runs)
     unknown = sorted(set(only) - set(runs))

@@ -165,6 +165,25 @@ def ratio_table(pts) -> str:
     return "\n".join(rows)
 
 
+COMPRESSION_BASES = ("ddp", "ddp-fp16", "ddp-powersgd", "acco:estimate-bf16")
+
+
+def compression_table(pts) -> str:
+    """The compressed rounds against DDP, DDP with torch's hooks and ACCO's default (``tag compression``): per
+    method its tokens/s, the ratios to each base (per repeat), the share of communication hidden, and the bytes
+    rank 0's interface sent per update (netns)."""
+    rows = ["| rate Mbit/s | x | method | tokens/s | " + " | ".join(f"vs {b}" for b in COMPRESSION_BASES)
+            + " | hidden | MB sent per update (rank 0) |", "|---" * (6 + len(COMPRESSION_BASES)) + "|"]
+    for rate, p in pts.items():
+        for label in p.runs:
+            cells = [fmt_rate(rate), stat(p.x()), label, stat(p.field(label), "{:.0f}")]
+            cells += [stat(p.ratio(label, b)) if b != label and b in p.runs else "" for b in COMPRESSION_BASES]
+            sent = [b and b / 1e6 for b in p.field(label, "tx_bytes_per_update")]
+            cells += [stat(p.summary(label, "hidden")), stat(sent, "{:.1f}")]
+            rows.append("| " + " | ".join(cells) + " |")
+    return "\n".join(rows)
+
+
 def hetero_table(pts) -> str:
     rows = ["| rate Mbit/s | method | tokens/s | vs sync | vs ddp-zero | vs ddp | vs best of (ddp, ddp-zero) | "
             "micro-batches per round, by rank (median) | hidden |", "|---|---|---|---|---|---|---|---|---|"]
@@ -295,6 +314,8 @@ def main(argv=None) -> None:
     for setting, pts in points(records, "overlap").items():
         print(f"## Overlap sweep ({setting_title(setting, pts)})\n\n" + overlap_table(setting, pts) + "\n\n"
               + ratio_table(pts) + "\n")
+    for setting, pts in points(records, "compression").items():
+        print(f"## Compressed rounds ({setting_title(setting, pts)})\n\n" + compression_table(pts) + "\n")
     for setting, pts in points(records, "hetero").items():
         print(f"## Heterogeneous ranks ({setting_title(setting, pts)})\n\n" + hetero_table(pts) + "\n")
     memory = [r for r in records if r.get("tag") == "memory"]

@@ -287,11 +287,13 @@ def test_gpu_check_dry_run(tmp_path):
     assert "Dry run on CPU" in text
     for section in ("### 1. CUDA tests", "### 2. Profiler trace", "### 3. Per-update time", "### 4. torch.compile",
                     "### 5. Memory", "### 6. Host synchronisations", "### 7. A device-found error",
-                    "### 8. How a process ends", "### 9. Per-update time at", "### 10. DTensor parameters", "### Verdict"):
+                    "### 8. How a process ends", "### 9. Per-update time at", "### 10. DTensor parameters",
+                    "### 11. Compressed rounds", "### Verdict"):
         assert section in text, section
     assert "raised in updates [4, 4]" in text and "\nPASS\n" in text  # the inf loss is in update 3's last micro-batch
     assert "exit 0" in text and "skipped" in text
     assert "no recompiles" in text
+    assert "| int8 |" in text and "| fp8 |" in text  # the quantizer's timings, each kind
     assert "'overlap': {13: 0.7857142857142857}" in text  # 110 of the side stream's 140 us under compute kernels
 
 

@@ -95,6 +95,11 @@ CONFIGS += [
     ("muon_split/dpu/delay-correction", "muon_split", "dpu", 2, 0, 0),
     # and fused AdamW, whose kernel would skip a flagged step by itself: the snapshot undoes step and feedback
     ("adamw_fused/dpu/delay-correction", "adamw_fused", "dpu", 2, 0, 0),
+    # compressed rounds: the all-to-all, the residual kept under the device's undo flag, the weights' change
+    # against the parameters, read on the side stream
+    ("sgd/acco/int8", "sgd", "acco", 2, 0, 0),
+    ("adamw_fused/dpu/fp8", "adamw_fused", "dpu", 2, 0, 0),
+    ("sgd/sync/int8", "sgd", "sync", 2, 0, 0),
 ]
 AUTO_WORLDS = (1, 2)  # compared with the oracle's bf16 sum where the ranks' bf16 sum has one order
 
@@ -103,6 +108,8 @@ def _estimate_option(name: str) -> dict:
     later = {"estimate_microbatches": 3} if name.endswith("estimate-after-3") else {}
     later.update({"estimate_extrapolation": 1.2} if name.endswith("extrapolate") else {})
     later.update({"delay_correction": 1.0} if name.endswith("delay-correction") else {})
+    kind = name.rsplit("/", 1)[-1]
+    later.update({"compression": kind, "compression_block": 16} if kind in ("int8", "fp8") else {})
     return {**later} if name.endswith("estimate-auto") else {"estimate_dtype": None, **later}
 ELASTIC_STEPS = 6
 
@@ -159,6 +166,7 @@ def _train(name, opt_name, mode, m, model_device, current_device, rank):
         uses_streams=opt.scheduler.uses_streams, rounds=opt.num_rounds, stats=stats, round_threads=threads,
         estimate_dtype=opt.estimate_dtype, estimate_microbatches=opt.estimate_microbatches,
         estimate_extrapolation=opt.estimate_extrapolation, delay_correction=opt.delay_correction,
+        compression=opt.compression, compression_block=opt.compression_block,
     )
 
 
@@ -211,7 +219,9 @@ def test_cuda_path_matches_oracle_with_no_race(world, name):
                                                              world, UPDATES, m, estimate_dtype=r["estimate_dtype"],
                                                              estimate_microbatches=r["estimate_microbatches"],
                                                              estimate_extrapolation=r["estimate_extrapolation"],
-                                                             delay_correction=r["delay_correction"])
+                                                             delay_correction=r["delay_correction"],
+                                                             compression=r["compression"],
+                                                             compression_block=r["compression_block"])
         assert max(rel_err(a, flat_list(b)) for a, b in zip(r["traj"], ref_steps)) < tol, f"rank {rank}"
         if m is not None:
             assert rel_err(r["committed"], flat_list(ref_committed[-1])) < tol, f"rank {rank}"

@@ -102,8 +102,13 @@ class FlatBuffers:
         return self.shard.master
 
     def round_tensors(self) -> List[torch.Tensor]:
-        """Every tensor a round touches that is allocated here (the CUDA path records them on its stream)."""
-        return [t for t in vars(self.shard).values() if torch.is_tensor(t)]
+        """Every tensor a round touches that is allocated here (the CUDA path records them on its stream): with
+        compression, the packed chunks, the residual, and the parameters the weights' change is taken against."""
+        out = [t for t in vars(self.shard).values() if torch.is_tensor(t)]
+        packed = self.shard.packed
+        if packed is not None:
+            out += [packed.send, packed.recv, packed.residual, *packed.params]
+        return out
 
     # ------------------------------------------------------------ gradients
 

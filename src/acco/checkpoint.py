@@ -34,7 +34,8 @@ import torch.distributed as dist
 from .state import legacy as state_legacy
 from .agreement import first_line
 from .state.checksums import CheckpointError, checksums, replicated_only, verify
-from .state.format import FORMAT_VERSION, GATHERED, IMPLEMENTATION_FLAGS, PIECE_SECTIONS, check_compatible, decode_meta
+from .state.format import (FORMAT_VERSION, GATHERED, IMPLEMENTATION_FLAGS, PER_RANK_SECTIONS, check_compatible,
+                           decode_meta)
 from .state import io as state_io
 from .state.io import check_loadable, load_state_dict
 from .state.pieces import scalar_state
@@ -210,7 +211,7 @@ def _no_optimizer_here(where: str, meta: Dict[str, Any], shard: Optional[str]) -
 
 
 COMPLETE = ".acco-complete"
-_PIECES = tuple(f"optim/{k}/" for k in (*PIECE_SECTIONS, "residual"))  # per rank: compression's residuals
+_PIECES = tuple(f"optim/{k}/" for k in PER_RANK_SECTIONS)  # each rank's own entries
 
 
 def latest(root: str) -> Optional[str]:

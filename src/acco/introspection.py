@@ -117,7 +117,9 @@ class Introspection:
         default loop with equal dtypes), ``accum`` and ``comm`` are full-size;
         ``master``, ``master_grad``, ``staging``, ``optimizer_state`` and
         ``estimate_scratch`` (with ``delay_correction``, its copy of the slice
-        too) are this rank's 1/N slice. ``round_temporaries``:
+        too) are this rank's 1/N slice; with ``compression``, ``residual`` (the
+        error feedback, full size, accumulation dtype) and ``compressed`` (the
+        packed chunks out and in, about one byte per element each). ``round_temporaries``:
         the most the library's estimate allocates at once during a round (on
         CUDA on the side stream, held until the stream has run it): a bound, 0
         without a functional estimate; the wrapped optimizer's own step adds

@@ -94,13 +94,11 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
             tensor whole on one rank). The classes acco knows need none; LBFGS and SparseAdam are refused.
         assume_elementwise: the same as ``placement="elementwise"`` (kept for existing code).
         handoff, robustness, delay, precision: the policies (``acco.HandoffPolicy``, ``RobustnessPolicy``,
-            ``DelayPolicy``, ``PrecisionPolicy``; their fields and defaults: ``help()`` on each, or
-            ``docs/options.md``). Each field is also a keyword of its own, the shorthand most code uses:
-            ``max_grad_norm=1.0`` is ``robustness=RobustnessPolicy(max_grad_norm=1.0)``;
-            ``accumulate_while_communicating``, ``min_microbatches``, ``max_microbatches`` (hand-off);
-            ``max_grad_norm``, ``nonfinite``, ``timeout`` (robustness); ``synchronous_updates``,
-            ``estimate_microbatches``, ``estimate_extrapolation``, ``delay_correction`` (delay);
-            ``compute_dtype``, ``accumulation_dtype``, ``reduce_dtype``, ``estimate_dtype`` (precision).
+            ``DelayPolicy``, ``PrecisionPolicy``; their fields, defaults and what each does: ``help()`` on each,
+            or ``docs/options.md``). Each field is also a keyword of its own, the shorthand most code uses
+            (``inspect.signature(AccoOptimizer)`` lists them): ``max_grad_norm=1.0`` is
+            ``robustness=RobustnessPolicy(max_grad_norm=1.0)``, ``compression="int8"`` is
+            ``precision=PrecisionPolicy(compression="int8")``.
         **optimizer_kwargs: passed to ``optimizer_class`` (``lr=...``).
 
     Evaluate or save the committed weights inside :meth:`committed_weights`.

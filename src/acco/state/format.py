@@ -14,6 +14,8 @@ never ``id(p)``::
     counters          the saved progress (``progress.Progress.SAVED``, in that order)
     loss_scale        the GradScaler's scale for the next update (fp64, 0-d), where one drives the optimizer
                       (mode acco's first estimate after a load unscales by it)
+    residual          with compression: this rank's error-feedback residual, full size (``residual/r{rank}``
+                      in the DCP form; :mod:`acco.state.residual`)
 
 and what it is: ``acco`` (``opt.state_dict()``: format, mode, wrapped
 optimizer(s), layout, dtypes, and the rank and world size it was taken on) or
@@ -35,13 +37,16 @@ import torch
 
 from ..errors import ShardOfAnotherRankError
 
-__all__ = ["AccoStateDict", "FORMAT_VERSION", "PIECE_SECTIONS", "empty_sections", "GATHERED", "ShardOfAnotherRankError", "SHARD_FIX", "IMPLEMENTATION_FLAGS", "StateOwners", "check_compatible", "classify",
+__all__ = ["AccoStateDict", "FORMAT_VERSION", "PER_RANK_SECTIONS", "PIECE_SECTIONS", "empty_sections", "GATHERED", "ShardOfAnotherRankError", "SHARD_FIX", "IMPLEMENTATION_FLAGS", "StateOwners", "check_compatible", "classify",
            "decode_meta", "encode_meta", "hyper_entries", "own_entry", "piece_key", "parse_piece_key",
            "restore_hyper"]
 
 FORMAT_VERSION = 3
 # The per-piece sections of a state dict (format 3), in this order wherever they are written or read.
 PIECE_SECTIONS = ("master", "params", "state", "entries", "scalars")
+# The sections whose entries differ between ranks (the pieces, and compression's residuals, state/residual.py):
+# each rank writes, and checksums, its own.
+PER_RANK_SECTIONS = (*PIECE_SECTIONS, "residual")
 GATHERED = "acco_ranks"  # acco.checkpoint.gather(): every rank's state_dict(), in rank order
 
 # Param-group keys that choose how the wrapped optimizer computes, not what: neither saved nor restored, so a
