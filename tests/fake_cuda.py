@@ -74,6 +74,7 @@ _C10D = {
     "allgather_into_tensor_coalesced_": (("outputs",), ("inputs",)),
     "reduce_scatter_tensor_coalesced_": (("outputs",), ("inputs",)),
     "allreduce_coalesced_": (("tensors",), ("tensors",)),
+    "alltoall_base_": (("output",), ("input",)),  # compressed rounds' gradient exchange
 }
 
 
@@ -532,14 +533,18 @@ class FakeCuda(TorchDispatchMode):
         if func.namespace == "c10d":
             from torch._C._distributed_c10d import _create_work_from_future
 
+            single = len(func._schema.returns) == 1  # alltoall_base_ returns its Work alone
+
             def run() -> None:
-                func(*args, **kwargs)[-1].wait()
+                result = func(*args, **kwargs)
+                (result if single else result[-1]).wait()
 
             stream.queue.append((n, run))
             self._account(stream, reads, writes, [], func)
             fut = torch.futures.Future()
             fut.set_result(None)
-            return (args[0], _create_work_from_future(fut).boxed())
+            work = _create_work_from_future(fut).boxed()
+            return work if single else (args[0], work)
         schema = func._schema
         if any(a.alias_info is not None and a.alias_info.is_write for a in schema.arguments):
             stream.queue.append((n, lambda: func(*args, **kwargs)))
