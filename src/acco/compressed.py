@@ -32,7 +32,7 @@ def reduce_scatter_packed(out: torch.Tensor, x: torch.Tensor, packed: Packed, gr
                           shard_size: int) -> None:
     """``out`` (this rank's share) = the sum over ranks, in rank order, of each rank's dequantized chunk for this
     rank. Collective on ``group``: one all-to-all of ``N`` packed chunks (``None``: one process, a copy)."""
-    world = packed.send.numel() // packed.chunk
+    world = packed.world
     for j, chunk in enumerate(_chunks(x, shard_size, world)):
         quantize(chunk, packed.kind, packed.block, packed.send[j * packed.chunk:(j + 1) * packed.chunk])
     if group is None:
@@ -49,7 +49,7 @@ def reduce_scatter_packed(out: torch.Tensor, x: torch.Tensor, packed: Packed, gr
 def keep_residual(x: torch.Tensor, packed: Packed, shard_size: int, undo: Optional[torch.Tensor] = None) -> None:
     """The error feedback after a commit that steps: ``residual = x - dequantize(what was sent)``, chunk by chunk
     (one chunk-sized temporary). ``undo`` (a device flag, the CUDA path): where set, the residual stays."""
-    world = packed.send.numel() // packed.chunk
+    world = packed.world
     for j, (xs, rs) in enumerate(zip(_chunks(x, shard_size, world), _chunks(packed.residual, shard_size, world))):
         sent = dequantize(packed.send[j * packed.chunk:(j + 1) * packed.chunk], packed.kind, packed.block,
                           shard_size)
@@ -77,7 +77,7 @@ def all_gather_packed(weights: torch.Tensor, source: torch.Tensor, packed: Packe
     mine = packed.send[:packed.chunk]
     quantize(source.float() - ref.float(), packed.kind, packed.block, mine)  # out of place: source may be the master
     all_gather_flat(packed.recv, mine, group, algorithm)  # every owner's packed change, in rank order
-    world = packed.recv.numel() // packed.chunk
+    world = packed.world
     for j, w in enumerate(_chunks(weights, shard_size, world)):
         w.copy_(w.float().add_(dequantize(packed.recv[j * packed.chunk:(j + 1) * packed.chunk], packed.kind,
                                           packed.block, shard_size)))

@@ -26,7 +26,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
-from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional, Union
+from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional
 
 import torch
 import torch.distributed as dist

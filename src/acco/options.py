@@ -24,7 +24,8 @@ from .modes import Mode
 from .policies import (POLICIES, DelayPolicy, HandoffPolicy, PrecisionPolicy, RobustnessPolicy,
                        check_estimate_within)
 
-__all__ = ["Options", "check_arguments", "keyword_signature", "markdown_table", "resolve", "split_keywords"]
+__all__ = ["Options", "check_arguments", "keyword_signature", "markdown_table", "markdown_tables", "resolve",
+           "split_keywords"]
 
 
 @dataclass(frozen=True)
@@ -161,6 +162,13 @@ def markdown_table(name: str) -> str:
     return "\n".join(rows)
 
 
-if __name__ == "__main__":  # pragma: no cover - prints what docs/options.md holds
-    for _name in POLICIES:
-        print(f"<!-- {_name}: from acco.policies.{POLICIES[_name].__name__} -->\n{markdown_table(_name)}\n")
+def markdown_tables() -> str:
+    """Every policy's table, each after the marker ``docs/options.md`` puts before it."""
+    marker = "<!-- policy {}: made from acco.policies (python -m acco.options) -->\n"
+    return "".join(f"{marker.format(name)}{markdown_table(name)}\n\n" for name in POLICIES)
+
+
+if __name__ == "__main__":  # pragma: no cover - what docs/options.md holds, to paste
+    import sys
+
+    sys.stdout.write(markdown_tables())

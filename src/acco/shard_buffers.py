@@ -38,6 +38,11 @@ class Packed:
     def block(self) -> int:
         return self.policy.compression_block
 
+    @property
+    def world(self) -> int:
+        """Ranks of the round group: ``send`` holds one chunk for each."""
+        return self.send.numel() // self.chunk
+
 
 @dataclass
 class ShardBuffers:
