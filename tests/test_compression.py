@@ -137,6 +137,15 @@ def _train(model, opt, rank, updates, start=0):
     return out
 
 
+def _share_from_rank0(obj, path: str) -> None:
+    """Rank 0 writes ``obj`` to ``path``; every rank returns once it is there (a barrier)."""
+    import torch.distributed as dist
+
+    if dist.get_rank() == 0:
+        torch.save(obj, path)
+    dist.barrier()
+
+
 def _resume_worker(rank: int, world: int, folder: str, mode: str) -> dict:
     """An uninterrupted compressed run against the same run stopped at update 3 and resumed into fresh objects,
     through opt.state_dict() (per rank) and through acco.checkpoint (DCP); and the residual each saved."""
@@ -148,12 +157,16 @@ def _resume_worker(rank: int, world: int, folder: str, mode: str) -> dict:
     straight = _train(model, opt, rank, 6)
     opt.finish()
     out = {"straight": straight}
-    for form in ("rank", "dcp"):
+    for form in ("rank", "dcp", "gather"):
         model = make_model()
         opt = AccoOptimizer(model.parameters(), **kw)
         first = _train(model, opt, rank, 3)
         if form == "rank":
             saved = opt.state_dict()
+        elif form == "gather":  # nanoGPT's form: one file, the committed model and every rank's shard
+            gathered = acco.checkpoint.gather(opt, model=model)
+            _share_from_rank0(gathered, f"{folder}/gathered.pt")
+            saved = torch.load(f"{folder}/gathered.pt", weights_only=True)
         else:
             acco.checkpoint.save(f"{folder}/ck", opt, model=model)
         out[form + "_residual_moved"] = float(opt.runtime.flat.shard.packed.residual.abs().max())  # round collected
@@ -162,6 +175,9 @@ def _resume_worker(rank: int, world: int, folder: str, mode: str) -> dict:
         opt = AccoOptimizer(model.parameters(), **kw)
         if form == "rank":
             opt.load_state_dict(saved, restore_model=True)
+        elif form == "gather":  # the model first, then the optimizer's check that it is the saved one
+            model.load_state_dict(saved["model"])
+            opt.load_state_dict(saved["optimizer"])
         else:
             acco.checkpoint.load(f"{folder}/ck", opt, model=model)
         out[form + "_residual_loaded"] = float(opt.runtime.flat.shard.packed.residual.abs().max())
@@ -172,11 +188,12 @@ def _resume_worker(rank: int, world: int, folder: str, mode: str) -> dict:
 
 @pytest.mark.parametrize("mode", ["acco", pytest.param("dpu", marks=pytest.mark.slow), "sync"])
 def test_a_compressed_run_resumes_bit_identically_with_its_residuals(tmp_path, mode):
-    """Stopped after 3 updates and resumed into fresh objects, per rank (opt.state_dict()) and through DCP
-    (acco.checkpoint), a compressed run goes on to the very same weights as the run that never stopped: the
+    """Stopped after 3 updates and resumed into fresh objects, per rank (opt.state_dict()), through DCP
+    (acco.checkpoint) and through one gathered file loaded model first (acco.checkpoint.gather: the model's
+    committed weights are the int8-rebuilt ones, not the master, and the load accepts them), a compressed run goes on to the very same weights as the run that never stopped: the
     residuals (non-zero when saved) come back."""
     for rank, r in enumerate(run_ranks(_resume_worker, 2, str(tmp_path), mode, timeout=300)):
-        for form in ("rank", "dcp"):
+        for form in ("rank", "dcp", "gather"):
             assert r[form + "_residual_moved"] > 0 and r[form + "_residual_loaded"] == r[form + "_residual_moved"], r
             for u, (a, b) in enumerate(zip(r["straight"], r[form])):
                 assert torch.equal(a, b), (rank, form, u, (a - b).abs().max())

@@ -8,6 +8,13 @@
   remedy), ``compute_dtype=bfloat16``, ``reduce_dtype=float32``,
   ``estimate_dtype=None`` (the paper's exact estimate; the default is ``"auto"``)
   or ``estimate_extrapolation=1.2``;
+* ``--ddp-hook=NAME``: a torch DDP communication hook registered on every
+  ``DistributedDataParallel`` the script builds (``train_ddp.py``): ``powersgd``
+  (torch's ``powerSGD_hook``: rank 4, error feedback, warm start, PowerSGD from
+  the second all-reduce on, as ``benchmarks/worker.py``'s ``ddp-powersgd``) or
+  ``fp16`` (``fp16_compress_hook``). The hook's state (PowerSGD's error and
+  warm-start matrices) is not in the script's checkpoint: a resumed run starts
+  it afresh;
 * ``--estimate-gap``: after every ``step()``, rank 0 logs ``|theta~ - theta|``
   (what the model holds, in mode acco the estimate, against the committed
   update) and ``|theta_{t+1} - theta_t|`` to ``OUT_DIR/estimate_gap.json``.
@@ -78,6 +85,34 @@ def instrument(options: dict, estimate_gap: bool, out_dir: str, screening: bool 
         atexit.register(lambda: open(os.path.join(out_dir, "estimate_gap.json"), "w").write(json.dumps(rows)))
 
 
+def register_ddp_hook(name: str) -> None:
+    """Make every ``DistributedDataParallel`` built from now on register torch's hook ``name`` (the script imports
+    the class after this runs, so it gets the subclass)."""
+    from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: PLC0415
+    from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd  # noqa: PLC0415
+
+    if name not in ("powersgd", "fp16"):
+        raise SystemExit(f"instrument.py: --ddp-hook={name!r}: choose powersgd or fp16")
+    base = torch.nn.parallel.DistributedDataParallel
+
+    class Hooked(base):
+        def __init__(self, *args, **kwargs):
+            # One bucket: PowerSGD chains each bucket's all-reduces through futures, and on gloo two buckets'
+            # chains reach the collectives in different orders on the two ranks ("Received data size doesn't
+            # match expected size", then an abort). The hook's arithmetic is per tensor, so the buckets do not
+            # change the updates, only when they start.
+            kwargs.setdefault("bucket_cap_mb", 1024)
+            super().__init__(*args, **kwargs)
+            if name == "fp16":
+                self.register_comm_hook(None, default_hooks.fp16_compress_hook)
+                return
+            state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=4, start_powerSGD_iter=2,
+                                           use_error_feedback=True, warm_start=True)
+            self.register_comm_hook(state, powersgd.powerSGD_hook)
+
+    torch.nn.parallel.DistributedDataParallel = Hooked
+
+
 def screen_estimate(blend: float) -> None:
     """Put the study's candidate estimate in place of the library's Adam ``Opt*`` arithmetic (see the module's
     docstring); both ranks run this before the script starts, so their rounds agree."""
@@ -128,16 +163,19 @@ def option_value(text: str):
 def main(argv: list) -> None:
     nice_in_own_session()
     options, estimate_gap = {}, False
-    blend = 1.0
+    blend, hook = 1.0, None
     while argv and argv[0].startswith("--"):
         flag = argv.pop(0)
         if flag == "--estimate-gap":
             estimate_gap = True
         elif flag.startswith("--estimate-blend="):
             blend = float(flag.split("=", 1)[1])
+        elif flag.startswith("--ddp-hook="):
+            hook = flag.split("=", 1)[1]
         elif flag.startswith("--acco-option="):
             key, value = flag.split("=", 1)[1].split("=", 1)
-            options[key] = option_value(value)
+            # compression names a format ("int8", "fp8"), not a dtype: the word as it is
+            options[key] = value if key == "compression" else option_value(value)
         else:
             raise SystemExit(f"instrument.py: unknown flag {flag!r} (see the docstring)")
     if not argv:
@@ -146,6 +184,8 @@ def main(argv: list) -> None:
     out_dir = next((a.split("=", 1)[1] for a in argv[1:] if a.startswith("--out_dir=")), ".")
     screening = blend != 1.0
     instrument(options, estimate_gap, out_dir, screening=screening)
+    if hook is not None:
+        register_ddp_hook(hook)
     if screening:
         screen_estimate(blend)
     sys.argv = argv

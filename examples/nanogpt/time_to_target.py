@@ -73,6 +73,12 @@ METHODS: Dict[str, Tuple[str, List[str], List[str]]] = {
     # the setting of Zmushko et al. 2026)
     "dpu": ("train_acco.py", ["--mode=dpu"], []),
     "dpu-ef": ("train_acco.py", ["--mode=dpu"], ["--acco-option=delay_correction=1.0"]),
+    # compressed rounds (docs/compression.md): int8 blocks of 256 with error feedback, both directions, over the
+    # library's default estimate (estimate_extrapolation "auto" is 1.2 for AdamW); and its peer, DDP with torch's
+    # PowerSGD hook (rank 4, error feedback, warm start: instrument.py --ddp-hook=powersgd)
+    "acco-int8": ("train_acco.py", [], ["--acco-option=compression=int8",
+                                         "--acco-option=estimate_extrapolation=1.2"]),
+    "ddp-powersgd": ("train_ddp.py", [], ["--ddp-hook=powersgd"]),
 }
 # The branch lengths searched, as multiples of DDP's length, from 1 up (or down to 11/12) until two bracket DDP's
 # loss. A trunk first runs to the start of the longest of TRUNK_RATIOS' branches; the longer lengths, for a method
@@ -365,7 +371,9 @@ LABELS = {"ddp": "DDP + AdamW", "acco": "ACCO", "acco-bf16": "ACCO, bf16 estimat
           "acco-bf16-blend50": "ACCO, bf16 estimate blended with the momentum (w = 0.5, study only)",
           "acco-bf16-extrap120": "ACCO, bf16 estimate, estimate_extrapolation=1.2",
           "sync": "ZeRO-1 (mode sync)", "dpu": "DPU (mode dpu, a one-step-stale gradient)",
-          "dpu-ef": "DPU with error feedback (delay_correction=1.0)"}
+          "dpu-ef": "DPU with error feedback (delay_correction=1.0)",
+          "acco-int8": "ACCO, int8 rounds with error feedback (compression=\"int8\")",
+          "ddp-powersgd": "DDP + torch's PowerSGD hook (rank 4, error feedback)"}
 
 
 def label(method: str, args: argparse.Namespace) -> str:

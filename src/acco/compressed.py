@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .collectives import all_gather_flat
-from .quantize import dequantize, quantize
+from .quantize import dequantize, packed_size, quantize
 from .shard_buffers import Packed
 
 __all__ = ["all_gather_packed", "keep_residual", "reduce_scatter_packed"]
@@ -57,6 +57,14 @@ def keep_residual(x: torch.Tensor, packed: Packed, shard_size: int, undo: Option
         if undo is not None:
             new = torch.where(undo, rs.float(), new)
         rs.copy_(new)
+
+
+def reconstructed(reference: torch.Tensor, source: torch.Tensor, kind: str, block: int) -> torch.Tensor:
+    """What :func:`all_gather_packed` makes of one owner's chunk, computed alone: ``reference`` (the weights every
+    rank held, compute dtype) plus the dequantized change ``source - reference``. Pure; a new tensor."""
+    packed = torch.empty(packed_size(reference.numel(), block), dtype=torch.uint8, device=reference.device)
+    quantize(source.float() - reference.float(), kind, block, packed)
+    return reference.float().add_(dequantize(packed, kind, block, reference.numel())).to(reference.dtype)
 
 
 def all_gather_packed(weights: torch.Tensor, source: torch.Tensor, packed: Packed,

@@ -124,6 +124,7 @@ def check_model_matches(owners: StateOwners, saved: Saved, counters: torch.Tenso
     swapped = owners.session.view_swapped
     pieces = owners.layout.pieces(owners.rank)
     diff, ok = 0.0, True
+    rebuilt = _committed_reconstruction(owners, saved, pieces)
     for i, _ in owners.wrapped.held():
         pc = pieces[i]
         key = (i, pc.param_start)
@@ -132,7 +133,9 @@ def check_model_matches(owners: StateOwners, saved: Saved, counters: torch.Tenso
         model = owners.flat.model_piece(i, pc, swapped)
         master = saved.master[key].reshape(-1).to(model.device, model.dtype)
         params = saved.params[key].reshape(-1).to(model.device, model.dtype)
-        if not (torch.equal(model, master) or torch.equal(model, params)):
+        committed = None if rebuilt is None else rebuilt[pc.local_start:pc.local_end]
+        if not (torch.equal(model, master) or torch.equal(model, params)
+                or (committed is not None and torch.equal(model, committed))):
             ok = False
             if model.numel():
                 diff = max(diff, float((model.float() - master.float()).abs().max()))
@@ -148,6 +151,29 @@ def check_model_matches(owners: StateOwners, saved: Saved, counters: torch.Tenso
         "in one call), or, to take the model's weights from this optimizer state alone, call "
         "opt.load_state_dict(sd, restore_model=True). Nothing was loaded."
     )
+
+
+def _committed_reconstruction(owners: StateOwners, saved: Saved, pieces) -> Optional[torch.Tensor]:
+    """With compressed weights (``compression_weights``), this rank's chunk of the committed weights the model
+    held at the save when a commit had been collected: not the fp32 master but what the commit's all-gather
+    rebuilt from it, the saved model weights plus the dequantized change (``compressed.reconstructed``; the
+    load's all-gather rebuilds the same). None without them, or for a state saved on another layout. Local."""
+    packed = owners.flat.shard.packed
+    if packed is None or not packed.policy.compression_weights:
+        return None
+    flat = owners.flat
+    master = torch.zeros(owners.layout.shard_size, dtype=flat.compute_dtype, device=flat.master.device)
+    reference = torch.zeros_like(master)
+    for i, _ in owners.wrapped.held():
+        pc = pieces[i]
+        key = (i, pc.param_start)
+        if key not in saved.master or saved.master[key].numel() != pc.local_end - pc.local_start:
+            return None
+        master[pc.local_start:pc.local_end].copy_(saved.master[key].reshape(-1))
+        reference[pc.local_start:pc.local_end].copy_(saved.params[key].reshape(-1))
+    from ..compressed import reconstructed  # noqa: PLC0415 (the round's arithmetic, here for one chunk)
+
+    return reconstructed(reference, master, packed.kind, packed.block)
 
 
 def check_loadable(owners: StateOwners, sd: Dict[str, Any], restore_model: bool = True,
