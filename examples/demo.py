@@ -8,7 +8,9 @@ data, the same initial weights and the same AdamW settings, one method after the
 * ``ddp``:  torch ``DistributedDataParallel`` + AdamW (what most loops run today);
 * ``sync``: ``AccoOptimizer(mode="sync")``, plain ZeRO-1: reduce-scatter, sharded step, all-gather, then compute;
 * ``acco``: ``AccoOptimizer()``: the same rounds, run while the next micro-batches compute (with its default
-  ``estimate_dtype="auto"``, the estimate round travels in bf16: half its bytes).
+  ``estimate_dtype="auto"``, the estimate round travels in bf16: half its bytes);
+* ``acco-int8``: ``AccoOptimizer(compression="int8")``: those rounds in 8-bit blocks both ways, with error
+  feedback (``docs/compression.md``): about a quarter of the bytes, for the links slower than the compute.
 
 **The link is simulated**, the same way for every method: before each collective of the gradients or weights
 the sending thread sleeps ``bytes / bandwidth``, where ``bytes`` is what that collective moves per rank (ring
@@ -16,6 +18,8 @@ all-reduce ``2 (N-1)/N x size``; reduce-scatter and all-gather ``(N-1)/N x size`
 from a first, compute-only run so that one round (or one DDP all-reduce) lasts ``--link-share`` of an update's
 compute: the situation of a cluster whose network is slower than its GPUs. ``--link-mbit`` fixes it instead.
 Run as root with ``ip netns``, ``sudo make bench`` runs the real testbed (network namespaces behind ``tc``).
+``make demo`` runs it twice: at ``--link-share 0.5`` (a round lasts half an update's compute: the plain rounds
+hide) and at ``--link-share 3`` (the slow link: three times the compute, where only compressed rounds keep up).
 
 The last column is each method's time to DDP's final training loss: the first update at which the method's
 training loss (the mean over the ranks, smoothed by a running mean over a tenth of the run) is at or below DDP's
@@ -51,14 +55,18 @@ from data import eval_batches, load_corpus, sample_batch  # noqa: E402
 from model import GPTConfig, build_model  # noqa: E402
 
 import acco  # noqa: E402
+import acco.compressed  # noqa: E402
 import acco.round_checks  # noqa: E402
 import acco.rounds  # noqa: E402
 
-METHODS = ("ddp", "sync", "acco")
+METHODS = ("ddp", "sync", "acco", "acco-int8")
+NAMES = {"ddp": "DDP + AdamW", "sync": "ZeRO-1 (acco sync)", "acco": "ACCO", "acco-int8": "ACCO + int8"}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--methods", type=lambda s: s.split(","), default=list(METHODS),
+                   help=f"which of {','.join(METHODS)} to run (ddp, sync and acco always: the table compares them)")
     p.add_argument("--updates", type=int, default=30, help="timed optimizer updates per method")
     p.add_argument("--microbatches", type=int, default=4, help="micro-batches per update (acco: 2 halves)")
     p.add_argument("--batch", type=int, default=8, help="sequences per micro-batch per rank")
@@ -79,6 +87,9 @@ def parse_args(argv=None) -> argparse.Namespace:
         p.error(f"--updates and --microbatches must be at least 2, got {args.updates} and {args.microbatches}")
     if not 0 < args.link_share <= 10:
         p.error(f"--link-share must be in (0, 10], got {args.link_share}")
+    unknown = sorted(set(args.methods) - set(METHODS))
+    if unknown:
+        p.error(f"--methods: unknown {unknown}; choose from {','.join(METHODS)}")
     return args
 
 
@@ -111,6 +122,18 @@ def delayed(collective: Callable, share: float) -> Callable:
         if group is not None:
             LINK.transfer(share * flat.numel() * flat.element_size())
         return collective(a, b, group, *rest, **kw)
+
+    return run
+
+
+def delayed_all_to_all(collective: Callable, share: float) -> Callable:
+    """A compressed round's all-to-all of packed chunks (acco.rounds' reduce_scatter_packed) that first waits
+    for the link: ``share`` of the packed chunks each rank sends."""
+
+    def run(out, x, packed, group, *rest, **kw):
+        if group is not None:
+            LINK.transfer(share * packed.send.numel() * packed.send.element_size())
+        return collective(out, x, packed, group, *rest, **kw)
 
     return run
 
@@ -166,7 +189,9 @@ def run_method(method: str, updates: int, args, rank: int, world: int, train, he
         opt = torch.optim.AdamW(model.parameters(), **kw)
     else:
         net = model
-        opt = acco.AccoOptimizer(model.parameters(), mode=method, microbatches_per_update=M, **kw)
+        mode, compression = ("acco", "int8") if method == "acco-int8" else (method, None)
+        opt = acco.AccoOptimizer(model.parameters(), mode=mode, microbatches_per_update=M, compression=compression,
+                                 **kw)
     curve, link_start = [], LINK.busy_s
     warmup = 2  # untimed updates first (allocations, DDP's bucket rebuild)
     for update in range(warmup + updates):
@@ -259,7 +284,7 @@ def summarize(records: List[Dict]) -> Dict:
 
 
 def table(s: Dict) -> str:
-    names = {"ddp": "DDP + AdamW", "sync": "ZeRO-1 (acco sync)", "acco": "ACCO"}
+    names = NAMES
     lines = ["| method | tokens/s | vs ZeRO-1 | vs DDP | communication hidden | held-out loss (vs DDP) "
              "| time to DDP's final loss |", "|---|---|---|---|---|---|---|"]
     ddp_to = s["rows"].get("ddp", {}).get("to_target")
@@ -295,10 +320,30 @@ def verdict(s: Dict) -> str:
     if a["tokens_per_s"] >= 1.05 * best:
         return (f"ACCO trained {a['vs_sync']:.2f}x as fast as ZeRO-1 and {a['vs_ddp']:.2f}x as fast as DDP {where}, "
                 f"hiding {a['hidden']:.0%} of its communication, and ended {a['loss_vs_ddp']:+.2%} from DDP's "
-                f"held-out loss after the same {setup['updates']} updates." + reached_sentence(s))
-    return (f"ACCO was not faster here ({a['vs_sync']:.2f}x ZeRO-1, {a['vs_ddp']:.2f}x DDP {where}): when the "
-            "network keeps up with the compute there is little communication to hide. Try --link-share 1."
-            + reached_sentence(s))
+                f"held-out loss after the same {setup['updates']} updates." + reached_sentence(s)
+                + compressed_sentence(s))
+    if setup["link_share"] > 1:  # the slow link: two rounds per update cannot hide behind one update's compute
+        why = (f"a round lasts {setup['link_share']:g}x an update's compute, and ACCO's two rounds per update "
+               "cannot hide behind it")
+    else:
+        why = "when the network keeps up with the compute there is little communication to hide. Try --link-share 1"
+    return (f"ACCO was not faster here ({a['vs_sync']:.2f}x ZeRO-1, {a['vs_ddp']:.2f}x DDP {where}): {why}."
+            + reached_sentence(s)) + compressed_sentence(s)
+
+
+def compressed_sentence(s: Dict) -> str:
+    """What the int8 rounds did here, against plain ACCO and DDP (empty when they did not run)."""
+    rows = s["rows"]
+    c = rows.get("acco-int8")
+    if c is None:
+        return ""
+    vs_acco = c["tokens_per_s"] / rows["acco"]["tokens_per_s"]
+    if vs_acco >= 1.05:
+        return (f" With int8 rounds (compression=\"int8\") ACCO trained {vs_acco:.2f}x as fast as with full-width "
+                f"ones and {c['vs_ddp']:.2f}x as fast as DDP, hiding {c['hidden']:.0%} of its communication, and "
+                f"ended {c['loss_vs_ddp']:+.2%} from DDP's held-out loss.")
+    return (f" Int8 rounds did not pay here ({vs_acco:.2f}x plain ACCO): quantizing costs compute, which only a "
+            "link slower than the compute repays (try --link-share 3).")
 
 
 def plot(records: List[Dict], path: Path) -> Optional[Path]:
@@ -312,7 +357,7 @@ def plot(records: List[Dict], path: Path) -> Optional[Path]:
         return None
     runs = {r["method"]: r for r in records if r.get("kind") == "run"}
     fig, ax = plt.subplots(figsize=(6, 3.6))
-    for m, label in (("ddp", "DDP + AdamW"), ("sync", "ZeRO-1 (sync)"), ("acco", "ACCO")):
+    for m, label in NAMES.items():
         if m in runs:
             t, loss = zip(*runs[m]["curve"])
             ax.plot(t, smoothed(list(loss)), label=label)
@@ -363,18 +408,23 @@ def main(argv=None) -> None:
     acco.rounds.all_gather_flat = delayed(acco.rounds.all_gather_flat, share)
     # the exchange a public call (finish()) makes on the rounds' group crosses the link too
     acco.round_checks.all_gather_flat = delayed(acco.round_checks.all_gather_flat, share)
+    # compressed rounds: the all-to-all of the gradients' packed chunks, the all-gather of the weights' ones
+    acco.rounds.reduce_scatter_packed = delayed_all_to_all(acco.rounds.reduce_scatter_packed, share)
+    acco.compressed.all_gather_flat = delayed(acco.compressed.all_gather_flat, share)
     train, held_data = load_corpus(args.data)
     held = eval_batches(held_data, args.eval_batches, args.batch, args.seq_len)
     if rank == 0:
         shutil.rmtree(args.out, ignore_errors=True)
         args.out.mkdir(parents=True)
+    methods = [m for m in METHODS if m in {"ddp", "sync", "acco", *args.methods}]
     bar = None
     compute_updates = max(4, args.updates // 2)
     if rank == 0 and not args.no_progress:
         try:
             from tqdm import tqdm
 
-            bar = tqdm(total=compute_updates + len(METHODS) * args.updates, unit="upd", desc="compute-only, ddp, sync, acco")
+            bar = tqdm(total=compute_updates + len(methods) * args.updates, unit="upd",
+                       desc="compute-only, " + ", ".join(methods))
         except ImportError:
             pass
     records = [run_method("compute", compute_updates, args, rank, world, train, held, ddp_group, bar)]
@@ -384,7 +434,7 @@ def main(argv=None) -> None:
     else:  # one round (reduce-scatter + all-gather) = one ring all-reduce: 2 (N-1)/N x the fp32 gradients
         bytes_per_s = 2 * share * params * 4 / (args.link_share * records[0]["seconds"] / records[0]["updates"])
     LINK.bytes_per_s = bytes_per_s
-    for m in METHODS:
+    for m in methods:
         records.append(run_method(m, args.updates, args, rank, world, train, held, ddp_group, bar))
     if bar is not None:
         bar.close()

@@ -420,6 +420,8 @@ cases = [
  ("M142 a load refuses the int8-rebuilt committed weights a gathered checkpoint holds", "check_model_matches",
   "    rebuilt = _committed_reconstruction(owners, saved, pieces)", "    rebuilt = None",
   "tests/test_compression.py -k 'resumes and acco'"),
+ ("M143 the probe's compressed rounds are full-width ones", "measure_round",
+  "compression=compression, lr=1e-6)", "lr=1e-6)", "tests/test_probe.py -k compression"),
  ("M43 the demo's speed-up column a constant", "examples/demo.py::table",
   "{r['vs_sync']:.2f}x | {r['vs_ddp']:.2f}x", "{1.39:.2f}x | {r['vs_ddp']:.2f}x", "tests/test_demo.py"),
  ("M44 the demo's hidden share from the library's own ACCO figure for every method", "examples/demo.py::summarize",

@@ -101,3 +101,22 @@ def test_probe_with_muon_steps_whole_matrices():
     with pytest.raises(AssertionError, match="--optimizer muon needs --matrix"):
         run_command([sys.executable, "-m", "acco.probe", "--params", "1M", "--optimizer", "muon",
                      "--compute-seconds", "0.1"], timeout=60)
+
+
+@pytest.mark.slow
+def test_probe_with_compression_times_compressed_rounds_too(monkeypatch):
+    """Check --compression int8: the probe also times rounds that really are compressed (the all-to-all of
+    packed chunks runs), predicts acco with them, and compares that with sync ZeRO-1's full-width rounds."""
+    import acco.rounds
+
+    calls = []
+    original = acco.rounds.reduce_scatter_packed
+    monkeypatch.setattr(acco.rounds, "reduce_scatter_packed", lambda *a, **k: calls.append(1) or original(*a, **k))
+    assert measure_round(20_000, torch.float32, torch.device("cpu"), rounds=2, warmup=1, compression="int8") > 0
+    assert len(calls) == 3
+    r = _probe("--params", "200k", "--compute-seconds", "0.05", "--rounds", "3", "--compression", "int8", ranks=2)
+    c = r["compressed"]
+    assert r["compression"] == "int8" and c["round_s"] > 0
+    assert c["acco_update_s"] == pytest.approx(max(0.1, 2 * c["round_s"]))
+    assert c["speedup"] == pytest.approx(r["sync_update_s"] / c["acco_update_s"])
+    assert c["vs_acco"] == pytest.approx(r["acco_update_s"] / c["acco_update_s"])

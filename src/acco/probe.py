@@ -20,6 +20,10 @@ With ``--optimizer muon --matrix 768x3072`` the rounds step ``torch.optim.Muon``
 on ``--params / (768*3072)`` matrices of that shape, placed whole (each on one
 owner rank, which runs its Newton–Schulz iterations inside the round): give the
 shape of your hidden matrices, and count only them in ``--params``.
+
+With ``--compression int8`` (or ``fp8``) it also times rounds with
+``compression=`` that format (8-bit blocks both ways, ``docs/compression.md``)
+and predicts acco with them, against the same sync ZeRO-1 of full-width rounds.
 """
 
 from __future__ import annotations
@@ -121,14 +125,16 @@ def probe_parameters(numel: int, dtype: torch.dtype, device: torch.device,
 
 
 def measure_round(numel: int, dtype: torch.dtype, device: torch.device, rounds: int = 5, warmup: int = 2,
-                  optimizer_class: type = torch.optim.AdamW, matrix: Optional[Tuple[int, int]] = None) -> float:
+                  optimizer_class: type = torch.optim.AdamW, matrix: Optional[Tuple[int, int]] = None,
+                  compression: Optional[str] = None) -> float:
     """Mean seconds of a real sync round on a ``numel``-element model (``matrix``: matrices of that shape)
-    stepped by ``optimizer_class``. Collective: call on all ranks."""
+    stepped by ``optimizer_class``; ``compression``: the rounds in that 8-bit format. Collective: call on all
+    ranks."""
     from .optimizer import AccoOptimizer
 
     params = probe_parameters(numel, dtype, device, matrix)
     opt = AccoOptimizer(params, optimizer_class, mode="sync", accumulate_while_communicating=True,
-                        lr=1e-6)  # step() without backward
+                        compression=compression, lr=1e-6)  # step() without backward
     # Not all equal: Muon's Newton-Schulz then works on a full-rank matrix, as in training.
     grad = torch.randn(params[0].shape, generator=torch.Generator().manual_seed(0)).to(params[0]) * 1e-3
     for _ in range(warmup + rounds):
@@ -158,6 +164,13 @@ def matmul_flops(dtype: torch.dtype, device: torch.device, seconds: float = 1.0)
     return 2 * n**3 * count / (time.perf_counter() - t0)
 
 
+def _compressed(full: Prediction, packed: Prediction) -> dict:
+    """acco with compressed rounds (``packed``) against sync ZeRO-1 and acco with full-width ones (``full``)."""
+    return {"round_s": packed.round_s, "acco_update_s": packed.acco_update_s, "hidden": packed.hidden,
+            "speedup": full.sync_update_s / packed.acco_update_s,
+            "vs_acco": full.acco_update_s / packed.acco_update_s}
+
+
 def _all_max(x: float, device: torch.device) -> float:
     """The largest ``x`` over ranks (the slowest rank sets the pace). Collective."""
     if not dist.is_initialized():
@@ -182,6 +195,8 @@ def _parse(argv: Optional[List[str]]):
     p.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw",
                    help="muon: torch.optim.Muon on whole matrices of --matrix's shape")
     p.add_argument("--matrix", default=None, help="with --optimizer muon: your hidden matrices' shape, e.g. 768x3072")
+    p.add_argument("--compression", choices=["int8", "fp8"], default=None,
+                   help="also time rounds compressed to this format and predict acco with them")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)
     if args.compute_seconds is None and args.tokens is None:
@@ -229,10 +244,17 @@ def main(argv: Optional[List[str]] = None) -> None:
         compute_s = 6 * args.params * args.tokens / matmul_flops(dtype, device)
         compute_s, source = _all_max(compute_s, device), "estimated from matmul FLOP/s (optimistic)"
     pred = predict(compute_s, round_s, args.microbatches_per_half)
+    packed = None
+    if args.compression is not None:
+        packed_s = _all_max(measure_round(args.params, dtype, device, args.rounds, optimizer_class=optimizer_class,
+                                          matrix=args.matrix, compression=args.compression), device)
+        packed = predict(compute_s, packed_s, args.microbatches_per_half)
     if not dist.is_initialized() or dist.get_rank() == 0:
         if args.json:
             print(json.dumps({**asdict(pred), "ranks": world, "params": args.params, "dtype": str(dtype),
-                              "device": device.type, "compute_source": source, "stepped": stepped}))
+                              "device": device.type, "compute_source": source, "stepped": stepped,
+                              **({} if packed is None else {"compression": args.compression,
+                                                             "compressed": _compressed(pred, packed)})}))
         else:
             lines = [
                 f"acco.probe: {world} rank(s), {args.params / 1e6:.1f}M parameters, {dtype}, {device.type}, {stepped}",
@@ -243,6 +265,15 @@ def main(argv: Optional[List[str]] = None) -> None:
                 f"  predicted speedup:       {pred.speedup:8.2f}x",
                 f"  recommendation: {pred.recommendation}",
             ]
+            if packed is not None:
+                c = _compressed(pred, packed)
+                lines += [
+                    f"  one {args.compression} round:          {packed.round_s * 1e3:8.1f} ms (measured, slowest rank)",
+                    f"  update, acco + {args.compression}:     {packed.acco_update_s * 1e3:8.1f} ms  = max(compute, 2 x "
+                    f"{args.compression} round)",
+                    f"  predicted speedup:       {c['speedup']:8.2f}x sync ZeRO-1 (full-width rounds), "
+                    f"{c['vs_acco']:.2f}x acco without compression",
+                ]
             if world == 1:
                 lines.append("  note: one process has no network; run it under torchrun on your nodes.")
             print("\n".join(lines))
