@@ -232,8 +232,18 @@ def agreed_done(done: Callable[[], bool], group: dist.ProcessGroup) -> Callable[
     return ask
 
 
+def replicated_inside(shards: LocalShards) -> List[int]:
+    """The parameters of which other ranks of this rank's model group hold the same piece: a plain one beside
+    DTensors (tensor parallelism leaves it whole on every rank of its group) or a DTensor ``Replicate`` on a
+    mesh dimension (a row-parallel bias). Local."""
+    if len(shards.model_ranks) <= 1:
+        return []
+    return [i for i, (p, s) in enumerate(zip(shards.params, shards.sharded))
+            if not s or any(pl.is_replicate() for pl in p.placements)]
+
+
 def check_supported(shards: LocalShards, group: Optional[dist.ProcessGroup], *, whole: bool,
-                    dtypes_plain: bool) -> None:
+                    dtypes_plain: bool, compression: Optional[str] = None) -> None:
     """Refuse, before anything is built, what DTensor parameters do not support yet, naming what works."""
     if not shards.any:
         return
@@ -250,6 +260,16 @@ def check_supported(shards: LocalShards, group: Optional[dist.ProcessGroup], *, 
         raise NotImplementedError(
             f"AccoOptimizer: compute_dtype/accumulation_dtype other than the parameters' dtype with DTensor "
             f"parameters is not supported yet. {works}")
+    replicated = replicated_inside(shards) if compression is not None else []
+    if replicated:
+        # Each rank quantizes its own flat buffer in blocks that span its neighbouring shards: the copies of a
+        # replicated parameter would be rounded differently on each rank holding one, and drift apart.
+        raise NotImplementedError(
+            f"AccoOptimizer(compression={compression!r}): parameter(s) {replicated[:8]} are replicated on the ranks "
+            f"of the model's mesh (a plain parameter tensor parallelism leaves out of its plan, or a Replicate "
+            f"placement), and compressed rounds would round each rank's copy differently, so that the copies "
+            f"drift apart. Compression works with FSDP2 inside a host (every parameter sharded) and on plain data "
+            f"parallelism; with tensor parallelism, drop compression. {works}")
     if group is not None:
         mine = set(dist.get_process_group_ranks(group))
         model = set(shards.model_ranks)

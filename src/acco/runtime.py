@@ -148,7 +148,8 @@ class Runtime:
         self.progress = Progress(torch.zeros((), dtype=torch.float64, device=device), microbatches_per_update)
         placed = _place(param_groups, classes, o.placement, self.shards.locals, self.world_size)
         mesh.check_supported(self.shards, user, whole="whole" in placed.placements,
-                             dtypes_plain=pr.compute_dtype == pr.accumulation_dtype == self.params[0].dtype)
+                             dtypes_plain=pr.compute_dtype == pr.accumulation_dtype == self.params[0].dtype,
+                             compression=pr.compression)
         self.layout = placed.layout
         if user is not None:
             agreement.check_same_model(user, self.fingerprints(), self.layout.numel, len(self.params), device)
