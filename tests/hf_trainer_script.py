@@ -63,10 +63,10 @@ args = TrainingArguments(
 )
 counter = CountAllReduces()
 kw = dict(model=model, args=args, train_dataset=Bytes(0, 480), eval_dataset=Bytes(480 * SEQ, 64), callbacks=[counter])
-if variant == "acco":
+if variant in ("acco", "acco-int8"):
     from acco.integrations.hf import AccoTrainer
 
-    trainer = AccoTrainer(**kw)
+    trainer = AccoTrainer(**kw, acco_kwargs={"compression": "int8"} if variant == "acco-int8" else None)
 elif variant.startswith("split"):
     from acco import AccoOptimizer
     from acco.integrations.hf import AccoTrainer
@@ -87,7 +87,9 @@ metrics = trainer.evaluate()
 if trainer.args.process_index == 0:
     torch.save(trainer.model.state_dict(), os.path.join(out, "final.pt"))
     with open(os.path.join(out, "result.json"), "w") as f:
+        acco_opt = getattr(trainer, "acco_optimizer", None)
         json.dump({"eval_loss": metrics["eval_loss"], "allreduces": counter.count,
+                   "residual_bytes": acco_opt.memory_report()["residual"] if acco_opt is not None else None,
                    "log": trainer.state.log_history}, f)
 torch.distributed.barrier()
 torch.distributed.destroy_process_group()  # a clean shutdown for the baseline too (gloo at interpreter exit)

@@ -30,6 +30,10 @@ CONFIGS += [
     ("sgd/acco/int8/sync2", "sgd", "acco", 2, "int8", 16, {"synchronous_updates": 2}),
     ("adamw/acco/int8/gradients-only", "adamw", "acco", 2, "int8", 16, {"compression_weights": False}),
     ("sgd/dpu/fp8/gradients-only", "sgd", "dpu", 2, "fp8", 16, {"compression_weights": False}),
+    # the accumulate-while-communicating loop (step() after every micro-batch), one micro-batch a half in mode
+    # acco: the default loop's update of two, with the rounds compressed alike
+    ("sgd/acco/int8/awc", "sgd", "acco", 2, "int8", 16, {"awc": True}),
+    ("adamw/acco/int8/awc-clipped", "adamw", "acco", 2, "int8", 16, {"awc": True, "max_grad_norm": 0.05}),
 ]
 # Mode acco with AdamW computes Opt* in functional.py, whose float operations round an ulp apart from torch's
 # step (the oracle's) here and there; a quantizer turns an ulp across one of its boundaries into a whole
@@ -46,14 +50,24 @@ def _worker(rank: int, world: int) -> dict:
         cls, kw = OPTIMIZERS[opt_name]
         model = make_model()
         theta0 = [p.detach().clone() for p in model.parameters()]
-        opt = AccoOptimizer(model.parameters(), cls, mode=mode, microbatches_per_update=m, compression=kind,
-                            compression_block=block, estimate_extrapolation=1.0, **options, **kw)
+        options = dict(options)
+        awc = options.pop("awc", False)
+        loop = (dict(accumulate_while_communicating=True, min_microbatches=1, max_microbatches=1) if awc
+                else dict(microbatches_per_update=m))
+        opt = AccoOptimizer(model.parameters(), cls, mode=mode, compression=kind, compression_block=block,
+                            estimate_extrapolation=1.0, **loop, **options, **kw)
         traj = []
         for t in range(UPDATES):
             for j in range(m):
-                (loss_fn(model, rank, t * m + j) / m).backward()
-            opt.step()
-            opt.zero_grad()
+                if awc:  # each micro-batch its own step(): the library averages the update's micro-batches
+                    loss_fn(model, rank, t * m + j).backward()
+                    opt.step()
+                    opt.zero_grad()
+                else:
+                    (loss_fn(model, rank, t * m + j) / m).backward()
+            if not awc:
+                opt.step()
+                opt.zero_grad()
             traj.append(flat(model))
         opt.finish()
 
