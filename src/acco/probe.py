@@ -217,6 +217,32 @@ def _parse(argv: Optional[List[str]]):
     return args
 
 
+def _report_lines(args, world: int, dtype: torch.dtype, device: torch.device, stepped: str, source: str,
+                  pred: Prediction, packed: Optional[Prediction]) -> List[str]:
+    """The probe's printed report (``--json`` prints the same numbers)."""
+    lines = [
+        f"acco.probe: {world} rank(s), {args.params / 1e6:.1f}M parameters, {dtype}, {device.type}, {stepped}",
+        f"  half mini-batch compute: {pred.compute_half_s * 1e3:8.1f} ms ({source})",
+        f"  one round:               {pred.round_s * 1e3:8.1f} ms (measured, slowest rank)",
+        f"  update, sync ZeRO-1:     {pred.sync_update_s * 1e3:8.1f} ms  = compute + round",
+        f"  update, acco:            {pred.acco_update_s * 1e3:8.1f} ms  = max(compute, 2 x round)",
+        f"  predicted speedup:       {pred.speedup:8.2f}x",
+        f"  recommendation: {pred.recommendation}",
+    ]
+    if packed is not None:
+        c = _compressed(pred, packed)
+        lines += [
+            f"  one {args.compression} round:          {packed.round_s * 1e3:8.1f} ms (measured, slowest rank)",
+            f"  update, acco + {args.compression}:     {packed.acco_update_s * 1e3:8.1f} ms  = max(compute, 2 x "
+            f"{args.compression} round)",
+            f"  predicted speedup:       {c['speedup']:8.2f}x sync ZeRO-1 (full-width rounds), "
+            f"{c['vs_acco']:.2f}x acco without compression",
+        ]
+    if world == 1:
+        lines.append("  note: one process has no network; run it under torchrun on your nodes.")
+    return lines
+
+
 def main(argv: Optional[List[str]] = None) -> None:
     args = _parse(argv)
     from .launch import init_process_group
@@ -256,27 +282,7 @@ def main(argv: Optional[List[str]] = None) -> None:
                               **({} if packed is None else {"compression": args.compression,
                                                              "compressed": _compressed(pred, packed)})}))
         else:
-            lines = [
-                f"acco.probe: {world} rank(s), {args.params / 1e6:.1f}M parameters, {dtype}, {device.type}, {stepped}",
-                f"  half mini-batch compute: {pred.compute_half_s * 1e3:8.1f} ms ({source})",
-                f"  one round:               {pred.round_s * 1e3:8.1f} ms (measured, slowest rank)",
-                f"  update, sync ZeRO-1:     {pred.sync_update_s * 1e3:8.1f} ms  = compute + round",
-                f"  update, acco:            {pred.acco_update_s * 1e3:8.1f} ms  = max(compute, 2 x round)",
-                f"  predicted speedup:       {pred.speedup:8.2f}x",
-                f"  recommendation: {pred.recommendation}",
-            ]
-            if packed is not None:
-                c = _compressed(pred, packed)
-                lines += [
-                    f"  one {args.compression} round:          {packed.round_s * 1e3:8.1f} ms (measured, slowest rank)",
-                    f"  update, acco + {args.compression}:     {packed.acco_update_s * 1e3:8.1f} ms  = max(compute, 2 x "
-                    f"{args.compression} round)",
-                    f"  predicted speedup:       {c['speedup']:8.2f}x sync ZeRO-1 (full-width rounds), "
-                    f"{c['vs_acco']:.2f}x acco without compression",
-                ]
-            if world == 1:
-                lines.append("  note: one process has no network; run it under torchrun on your nodes.")
-            print("\n".join(lines))
+            print("\n".join(_report_lines(args, world, dtype, device, stepped, source, pred, packed)))
     if dist.is_initialized():
         gc.collect()  # free gloo's finished work (and its tensors) while the group still exists
         dist.barrier()  # no rank tears its group down while another still talks on it
