@@ -391,3 +391,26 @@ def test_gpu_optimizer_benchmarks_run_dry_on_cpu(script):
     rows = [l.split()[0] for l in r.stdout.splitlines() if l.strip() and l.split()[0] in CONFIGS
             and ("|" in l or "steady" in l)]
     assert rows == CONFIGS, r.stdout
+
+
+def test_composed_time_to_target_is_updates_times_time_per_update():
+    """benchmarks/compose_time_to_target.py on the recorded data: each row's time to DDP's loss is its updates
+    ratio times its time per update, DDP's row is 1, and the time per update is DDP's tokens/s over the
+    method's, per repeat, as benchmarks/report.py pairs them."""
+    import compose_time_to_target as compose
+    import report
+
+    speed = ROOT / "docs" / "benchmarks_data" / "compression.jsonl"
+    out = compose.table(speed, ROOT / "docs" / "convergence_data" / "time_to_target.jsonl")
+    rows = [[c.strip() for c in line.strip("|").split("|")] for line in out.splitlines()[2:]]
+    assert {r[2] for r in rows} >= {"DDP + AdamW", "ACCO default", "ACCO + int8"}, out
+    pts = next(iter(report.points(report.load(speed), "compression").values()))
+    labels = {v: k for k, v in compose.NAMES.items()}
+    for rate, x, name, updates, per, composed in rows:
+        u, t, c = (float(cell.split()[0]) for cell in (updates, per, composed))
+        assert c == pytest.approx(u * t, abs=0.011), (name, u, t, c)  # (t shown to 2 decimals)
+        label = compose.METHODS[labels[name]]
+        expect = statistics.median([1 / r for r in pts[float(rate)].ratio(label, "ddp") if r])
+        assert t == pytest.approx(expect, abs=0.006), (name, rate, t, expect)
+        if name == "DDP + AdamW":
+            assert (u, t, c) == (1.0, 1.0, 1.0)
