@@ -1,7 +1,7 @@
 # Everything a fresh machine needs: `make demo` and `make test` create .venv,
 # install torch==2.13.0 when torch is absent (from PyPI that is the CUDA build on Linux x86_64, several GB;
 # this project's machines take a CPU build from disk; set TORCH_PIN or install torch first to choose), and install acco
-# with the extras its tests cover (transformers, accelerate and lightning for the integrations).
+# with the extras its tests cover (transformers, accelerate, lightning and torchtitan for the integrations).
 
 PYTHON ?= python3
 VENV   ?= .venv
@@ -14,7 +14,7 @@ TORCH_PIN ?= torch==2.13.0
 $(VENV)/.ready: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	@$(PY) -c "import torch" 2>/dev/null || $(PIP) install -q "$(TORCH_PIN)"
-	$(PIP) install -q -e ".[test,examples,hf,lightning]"
+	$(PIP) install -q -e ".[test,examples,hf,lightning,torchtitan]"
 	@touch $@
 
 venv: $(VENV)/.ready

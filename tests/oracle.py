@@ -195,6 +195,7 @@ def update_run(
     compression: Optional[str] = None,
     compression_block: int = 256,
     compression_weights: bool = True,
+    divide_by_ranks: bool = True,
 ):
     """One ``step()`` per update of ``m`` micro-batches per rank (``algorithm.md``, "Hand-offs in the user's loop").
 
@@ -215,7 +216,8 @@ def update_run(
     ``compression``: each rank's sum travels :func:`quantized`, the ranks' dequantized sums added in rank order;
     a commit's sum first takes the rank's residual, which becomes what its quantization dropped (the estimate's
     has none); and a round's weights arrive as the model's weights during the round plus the quantized change
-    (``compression_weights=False``: exactly). The average multiplies the ranks' sum by ``1/n_ranks`` (an estimate's by ``m/(h n_ranks)``), in
+    (``compression_weights=False``: exactly). The average multiplies the ranks' sum by ``1/n_ranks`` (an estimate's by ``m/(h n_ranks)``;
+    ``divide_by_ranks=False``: by ``1`` and ``m/h``, the ranks' gradients added, not averaged), in
     the float the library uses, so that exact sums give the very same inputs to an optimizer that rounds
     (Muon orthogonalises in bf16).
 
@@ -231,6 +233,7 @@ def update_run(
     after_step: List[Tensors] = []
     committed: List[Tensors] = []
     h = estimate_microbatches or m // 2  # micro-batches before the estimate's hand-off
+    ranks = n_ranks if divide_by_ranks else 1  # what the ranks' sum is divided by
     previous: List[Optional[torch.Tensor]] = [None] * len(theta)  # delay_correction: u_{k-1} of each tensor
     seen = [False] * len(theta)  # whether tensor i got a gradient in the update so far, on any rank
 
@@ -289,13 +292,13 @@ def update_run(
                 first = [f.to(theta[0].dtype) for f in first]
             if pending is not None:  # hand-off of the estimate: theta_t into the model
                 model, pending = [x.clone() for x in pending], None
-            estimate = _opt_star(opt, make_opt, theta, clipped([a * (m / (h * n_ranks)) for a in first], max_grad_norm),
+            estimate = _opt_star(opt, make_opt, theta, clipped([a * (m / (h * ranks)) for a in first], max_grad_norm),
                                  estimate_extrapolation, list(seen))
             if estimate_dtype is not None:
                 estimate = [x.to(estimate_dtype).to(theta[0].dtype) for x in estimate]
             accumulate(accum, m - h)
             model = arrived(estimate, model)  # step(): theta~_{t+1} into the model, the commit in flight
-            _opt_step(opt, theta, clipped([a * (1.0 / n_ranks) for a in travelled(accum, True)], max_grad_norm),
+            _opt_step(opt, theta, clipped([a * (1.0 / ranks) for a in travelled(accum, True)], max_grad_norm),
                       seen)
             pending = arrived(theta, model)
         else:
@@ -303,7 +306,7 @@ def update_run(
             if mode == "dpu" and pending is not None:
                 model = [x.clone() for x in pending]
             before = [x.detach().clone() for x in theta]
-            _opt_step(opt, theta, clipped([a * (1.0 / n_ranks) for a in travelled(accum, True)], max_grad_norm),
+            _opt_step(opt, theta, clipped([a * (1.0 / ranks) for a in travelled(accum, True)], max_grad_norm),
                       seen)
             if mode == "dpu" and delay_correction and not synchronous:
                 for i, (b, x) in enumerate(zip(before, theta)):

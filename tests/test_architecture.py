@@ -17,7 +17,7 @@ SRC = ROOT / "src" / "acco"
 
 # docs/architecture.md's table, highest layer first.
 LAYERS = {
-    9: ["integrations.hf", "integrations.accelerate", "integrations.lightning"],
+    9: ["integrations.hf", "integrations.accelerate", "integrations.lightning", "integrations.torchtitan"],
     8: ["checkpoint", "probe"],
     7: ["optimizer"],
     6: ["runtime"],

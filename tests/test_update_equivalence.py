@@ -58,6 +58,12 @@ CONFIGS += [
     ("adamw/dpu/m2-delay-correction", "adamw", "dpu", 2, True, True, {"delay_correction": 1.0}),
     ("sgd_momentum/dpu/m2-sync2-delay-correction", "sgd_momentum", "dpu", 2, True, False,
      {"synchronous_updates": 2, "delay_correction": 0.5}),
+    # the ranks' gradients added, not averaged (torchtitan's loss is normalized over every rank's tokens); SGD
+    # tells a sum from a mean, AdamW nearly not
+    ("sgd_momentum/acco/m4-sum", "sgd_momentum", "acco", 4, True, False, {"divide_by_ranks": False}),
+    ("sgd_momentum/sync/m2-sum", "sgd_momentum", "sync", 2, True, False, {"divide_by_ranks": False}),
+    ("sgd_momentum/dpu/m2-sum", "sgd_momentum", "dpu", 2, True, False, {"divide_by_ranks": False}),
+    ("adamw/acco/m2-sum", "adamw", "acco", 2, True, False, {"divide_by_ranks": False}),
 ]
 # The other configurations name the paper's exact estimate (estimate_dtype=None), which the oracle computes; its
 # step is resolved as the optimizer resolved it (opt.estimate_extrapolation: "auto" is 1.2 for AdamW in mode acco).
@@ -100,7 +106,8 @@ def _worker(rank: int, world: int) -> dict:
             theta0, lambda ps: cls(ps, **kw), mode, scaled, world, UPDATES, m, learned=not given and mode == "acco",
             lr_at=_lr if schedule else None, synchronous_updates=options.get("synchronous_updates", 0),
             estimate_dtype=opt.estimate_dtype, estimate_microbatches=options.get("estimate_microbatches"),
-            estimate_extrapolation=opt.estimate_extrapolation, delay_correction=opt.delay_correction)
+            estimate_extrapolation=opt.estimate_extrapolation, delay_correction=opt.delay_correction,
+            divide_by_ranks=opt.divide_by_ranks)
         out[name] = {
             "step_err": max(rel_err(a, flat_list(b)) for a, b in zip(traj, ref_steps)),
             "committed_err": max(rel_err(a, flat_list(b)) for a, b in zip(committed, ref_committed)),

@@ -11,7 +11,8 @@
 * ``--ddp-hook=NAME``: a torch DDP communication hook registered on every
   ``DistributedDataParallel`` the script builds (``train_ddp.py``): ``powersgd``
   (torch's ``powerSGD_hook``: rank 4, error feedback, warm start, PowerSGD from
-  the second all-reduce on, as ``benchmarks/worker.py``'s ``ddp-powersgd``) or
+  the second all-reduce on, as ``benchmarks/worker.py``'s ``ddp-powersgd``;
+  ``powersgd:RANK`` another rank) or
   ``fp16`` (``fp16_compress_hook``). The hook's state (PowerSGD's error and
   warm-start matrices) is not in the script's checkpoint: a resumed run starts
   it afresh;
@@ -91,8 +92,9 @@ def register_ddp_hook(name: str) -> None:
     from torch.distributed.algorithms.ddp_comm_hooks import default_hooks  # noqa: PLC0415
     from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd  # noqa: PLC0415
 
-    if name not in ("powersgd", "fp16"):
-        raise SystemExit(f"instrument.py: --ddp-hook={name!r}: choose powersgd or fp16")
+    flag, (name, _, rank) = name, name.partition(":")
+    if name not in ("powersgd", "fp16") or (rank and (name != "powersgd" or not rank.isdigit())):
+        raise SystemExit(f"instrument.py: --ddp-hook={flag!r}: choose powersgd, powersgd:RANK or fp16")
     base = torch.nn.parallel.DistributedDataParallel
 
     class Hooked(base):
@@ -106,7 +108,8 @@ def register_ddp_hook(name: str) -> None:
             if name == "fp16":
                 self.register_comm_hook(None, default_hooks.fp16_compress_hook)
                 return
-            state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=4, start_powerSGD_iter=2,
+            state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=int(rank or 4),
+                                           start_powerSGD_iter=2,
                                            use_error_feedback=True, warm_start=True)
             self.register_comm_hook(state, powersgd.powerSGD_hook)
 

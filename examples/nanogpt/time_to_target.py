@@ -651,7 +651,7 @@ def plot(records: List[dict], args: argparse.Namespace, path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(12, 4))
     colors = {"ddp": "black", "acco": "tab:blue", "acco-bf16": "tab:orange", "acco-bf16-h3": "tab:green",
               "acco-bf16-blend50": "tab:red", "acco-bf16-extrap120": "tab:purple", "sync": "tab:gray",
-              "dpu": "tab:brown", "dpu-ef": "tab:pink"}
+              "dpu": "tab:brown", "dpu-ef": "tab:pink", "acco-int8": "tab:olive", "ddp-powersgd": "tab:cyan"}
     for m in METHODS:
         ends: Dict[int, List[float]] = {}
         for r in rs:
@@ -659,10 +659,10 @@ def plot(records: List[dict], args: argparse.Namespace, path: Path) -> None:
                 ends.setdefault(int(r["T"]), []).append(r["final_val_loss"])
         if ends:
             ts = sorted(ends)
-            axes[0].plot(ts, [statistics.fmean(ends[t]) for t in ts], "o-", label=label(m, args), color=colors[m])
+            axes[0].plot(ts, [statistics.fmean(ends[t]) for t in ts], "o-", label=label(m, args), color=colors.get(m))
         trunk = next((r for r in rs if r["method"] == m and r["kind"] == "trunk" and int(r["seed"]) == args.seeds[0]), None)
         if trunk:
-            axes[1].plot(*zip(*trunk["val"]), label=f"{label(m, args)} (seed {args.seeds[0]})", color=colors[m])
+            axes[1].plot(*zip(*trunk["val"]), label=f"{label(m, args)} (seed {args.seeds[0]})", color=colors.get(m))
     axes[0].set_xlabel(f"run length T (updates), peak LR {args.lr:g}, cooled down to 0")
     axes[0].set_ylabel("final held-out loss (mean over seeds)")
     axes[0].set_xscale("log")

@@ -206,6 +206,24 @@ class FlatBuffers:
         source = self.comm_views if swapped else self.params
         return source[index].detach().reshape(-1)[piece.param_start : piece.param_end]
 
+    def mark_weights(self) -> None:
+        """Remember the parameters' versions: the weights the master slice holds (construction, a load)."""
+        self._weights_versions = [p._version for p in self.params]
+
+    @torch.no_grad()
+    def weights_written(self) -> List[int]:
+        """The parameters written in place with other values since :meth:`mark_weights`, as far as this rank's
+        pieces show (before the first round: by the user). A write of the same values (DDP's broadcast of the
+        first rank's weights) is not one."""
+        written = []
+        for i, pc in enumerate(self.layout.pieces(self.rank)):
+            p = self.params[i]
+            if pc.numel and p._version != self._weights_versions[i]:
+                held = self.master[pc.local_start : pc.local_end].to(p.dtype)
+                if not torch.equal(held, self.model_piece(i, pc, swapped=False)):
+                    written.append(i)
+        return written
+
     @torch.no_grad()
     def master_from_model(self, swapped: bool) -> None:
         """This rank's master slice from the model's weights (the padding zero)."""

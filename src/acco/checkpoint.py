@@ -51,6 +51,7 @@ __all__ = [
     "gather",
     "latest",
     "load",
+    "read_target",
     "resolve",
     "save",
     "scalar_state",
@@ -306,6 +307,31 @@ def load(path: str, optimizer: "AccoOptimizer", *, model: Optional[torch.nn.Modu
         model.load_state_dict({**sd["model"], **{k: v.detach() for k, v in trained.items()}})
     load_state_dict(owners, optim, checked=True)
     return sd["extra"]
+
+
+def read_target(path: str, optimizer: "AccoOptimizer", nest: tuple) -> Dict[str, Any]:
+    """What ``dcp.load`` must fill to restore ``optimizer`` from a DCP checkpoint another tool wrote (torchtitan's
+    checkpointer), its entries nested under the keys ``nest`` (``("optimizer", "acco", "shard1")``): the saved
+    pieces that overlap this rank's, with the wrapped optimizer's state that a fresh optimizer's state dict does
+    not list yet. Reads the entries' description, checked against this optimizer. Collective."""
+    import torch.distributed.checkpoint as dcp
+
+    where = f"acco.checkpoint.read_target({path!r})"
+    pre = ".".join(nest) + "."
+    meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    meta_keys = {k[len(pre) + 5:]: tuple(meta[k].size) for k in meta if k.startswith(pre + "meta.")}
+    if not meta_keys:
+        raise CheckpointError(f"{where}: no AccoOptimizer description under {pre}meta in it. Nothing was loaded.")
+    group = optimizer.runtime.shards.checkpoint_group(optimizer.process_group)
+    head: Dict[str, Any] = {"meta": meta_template(meta_keys)}
+    tree = head
+    for key in reversed(nest):
+        tree = {key: tree}
+    _reader(path, group, not dist.is_initialized(), where)(tree)
+    owners = optimizer.runtime.owners
+    info = decode_meta(head["meta"])
+    check_compatible(owners.describe, info, False, owners.rank, owners.world_size)
+    return load_target(owners, meta, meta_keys, info, pre)
 
 
 def _reader(path: str, group: Any, no_dist: bool, where: str) -> Any:

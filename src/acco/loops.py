@@ -51,6 +51,26 @@ class LoopContext:
     loss_scale: Any  # what the optimizer knows of a GradScaler (amp.LossScale): the rounds' 1/scale
 
 
+def check_weights_kept(c: LoopContext) -> None:
+    """Before the first round: refuse a model whose weights were written since the optimizer took them (a
+    model-only load after construction), which the first round's master weights would silently undo."""
+    if c.progress.num_rounds == 0:
+        written = c.flat.weights_written()
+        if written:
+            raise RuntimeError(
+                f"AccoOptimizer: parameter(s) {written[:8]}{' ...' if len(written) > 8 else ''} were written after "
+                "the optimizer was built and before its first step() (a model-only load: load_state_dict, a "
+                "pretrained or seed checkpoint). Its master weights are the ones it was built with, so the write "
+                "would be lost. Call opt.take_model_weights() on every rank after writing them, or build the "
+                "optimizer after loading the model")
+
+
+def ranks_divisor(c: LoopContext) -> int:
+    """What a round divides the ranks' summed gradients by: their number (DDP's mean), or 1
+    (``divide_by_ranks=False``: a loss normalized over every rank's batch, summed across ranks)."""
+    return c.world_size if c.options.handoff.divide_by_ranks else 1
+
+
 def after_handoff(c: LoopContext, kind: RoundKind, synchronous: bool) -> None:
     """After a hand-off, in both loops: a synchronous round completes and its weights go into the model; a commit
     ends the update (a checkpoint boundary; attached schedulers step, model buffers are broadcast: collective)."""
@@ -81,8 +101,9 @@ class UpdateLoop:
         if (c.options.estimates and m is not None and not p.estimate_in_update and p.mb_in_update == self.estimate_at(m)
                 and p.commits_handed_off >= c.options.delay.synchronous_updates):
             c.session.check_open()
+            check_weights_kept(c)
             p.take_hyper(snapshot_hyperparams(c.param_groups))  # both rounds of one update use the same
-            c.driver.handoff(RoundKind.ESTIMATE, p.mb_in_update, m / (p.mb_in_update * c.world_size),
+            c.driver.handoff(RoundKind.ESTIMATE, p.mb_in_update, m / (p.mb_in_update * ranks_divisor(c)),
                              unscale=c.loss_scale.for_estimate())
             p.estimate_handed_off()
 
@@ -117,6 +138,7 @@ class UpdateLoop:
                 "type, load_state_dict(assign=True), ...): build the optimizer after moving the model"
             )
         c.flat.check_untouched(c.options.clip_hint)
+        check_weights_kept(c)
         # Collective with a scaler (inf/NaN on any rank, for its update()).
         unscale, same_scale = c.loss_scale.for_commit(grad_scaler, c.flat.accum, c.session.group, p.estimate_in_update)
         synchronous = c.options.synchronous or p.commits_handed_off < c.options.delay.synchronous_updates
@@ -140,7 +162,7 @@ class UpdateLoop:
         if not p.estimate_in_update:
             p.take_hyper(snapshot_hyperparams(c.param_groups))
         # The error feedback corrects a step taken from a stale gradient: not a synchronous update's.
-        c.driver.handoff(RoundKind.COMMIT, m, 1.0 / c.world_size,
+        c.driver.handoff(RoundKind.COMMIT, m, 1.0 / ranks_divisor(c),
                          0.0 if synchronous else c.options.delay.delay_correction,
                          unscale)
         p.update_handed_off()
@@ -193,6 +215,7 @@ class ElasticLoop:
         # Accumulate while you communicate: keep computing while the round is in flight, unless the bound is reached.
         if not c.round_done() and (c.options.handoff.max_microbatches is None or p.since_handoff < c.options.handoff.max_microbatches):
             return
+        check_weights_kept(c)
         kind = round_kind(c.options.mode, p.num_rounds)
         count = p.in_accum
         p.elastic_handed_off(commit=kind is RoundKind.COMMIT)

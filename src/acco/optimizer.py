@@ -282,6 +282,13 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         with self._runtime.committed_weights():
             yield
 
+    def take_model_weights(self) -> None:
+        """Start from the model's weights as they are now: call it after writing them into the model once this
+        optimizer is built and before its first ``step()`` (a model-only load: ``load_state_dict``, a pretrained
+        or seed checkpoint). Without it the first round raises: its master weights are the ones the optimizer
+        was built with, and the write would be lost. Collective: the first rank's weights, as construction."""
+        self._runtime.take_model_weights()
+
     def finish(self) -> None:
         """Wait for the in-flight round; leave the last committed weights in the model.
 

@@ -76,12 +76,24 @@ class HandoffPolicy:
     max_microbatches: Optional[int] = option(None, "`None`", (
         "With `accumulate_while_communicating` only: the most micro-batches accumulated while a round is in "
         "flight (`None`: no bound)."))
+    divide_by_ranks: bool = option(True, "`True`", (
+        "Whether a round divides the ranks' summed gradients by their number, as DDP does. `False`: the ranks' "
+        "gradients are added, for a loss already normalized over every rank's batch (torchtitan divides each "
+        "rank's loss by the global token count, and sums across ranks). One `step()` per update only."))
 
     def checked(self, mode: Mode, per_update: Any) -> "HandoffPolicy":
         elastic, low, high = self.accumulate_while_communicating, self.min_microbatches, self.max_microbatches
         check_per_update(mode, per_update)
         if not isinstance(elastic, bool):
             raise TypeError(f"accumulate_while_communicating must be True or False, got {elastic!r}")
+        if not isinstance(self.divide_by_ranks, bool):
+            raise TypeError(f"divide_by_ranks must be True or False, got {self.divide_by_ranks!r}")
+        if elastic and not self.divide_by_ranks:
+            raise ValueError(
+                "divide_by_ranks=False does not apply with accumulate_while_communicating=True: each round then "
+                "averages over all micro-batches of all ranks, however many each ran. Keep divide_by_ranks=True, "
+                "with each micro-batch's loss a mean over its own tokens"
+            )
         if elastic and per_update is not None:
             raise ValueError(
                 "microbatches_per_update does not apply with accumulate_while_communicating=True (step() is then "

@@ -179,6 +179,18 @@ class Runtime:
         self._backward_queued = -1  # id of the autograd graph task whose end-of-backward callback is queued
         self.hook_handles = hooks.install(self.params, self.on_grad_accumulated,
                                           self.on_incoming_grad if self.flat.fold_on_arrival else None)
+        self.flat.mark_weights()  # a write into the model before the first round is refused (take_model_weights)
+
+    def take_model_weights(self) -> None:
+        """The model's weights as they are now become the master weights (``AccoOptimizer.take_model_weights``).
+        Collective on the user's group: the first rank's, as at construction."""
+        if self.progress.num_rounds:
+            raise RuntimeError(
+                f"AccoOptimizer.take_model_weights() after {self.progress.num_rounds} round(s): only before the "
+                "first step() (the weights of a running optimizer come from its rounds; load a checkpoint instead)")
+        agreement.broadcast_parameters(self.shards.locals, self.groups.user)
+        self.flat.master_from_model(swapped=False)
+        self.flat.mark_weights()
 
     def fill_defaults(self, defaults: Dict[str, Any]) -> None:
         """The front's ``defaults`` take the wrapped optimizer's where it does not set them (one class)."""

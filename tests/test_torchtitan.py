@@ -1,0 +1,154 @@
+"""torchtitan (0.3.0) with ACCO across replicas, launched as its users launch it: ``torchrun -m torchtitan.train``'s
+entry point on 4 CPU gloo ranks (``tests/torchtitan_cpu.py`` holds the CPU work-arounds, nothing else), the
+``llama3_debugmodel`` config, ``--module acco.integrations.torchtitan`` against torchtitan's own HSDP.
+
+Every run starts from one seed checkpoint (torchtitan's ``--checkpoint.create_seed_checkpoint``, loaded model
+only at step 0), as torchtitan compares parallelisms: DTensor's random initialization on CPU depends on the mesh.
+"""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from _dist import run_command
+from extras import need
+
+need("torchtitan", "torchtitan")
+
+pytestmark = pytest.mark.slow  # make test-all only: real torchtitan launches
+
+ROOT = Path(__file__).resolve().parents[1]
+LAUNCH = ROOT / "tests" / "torchtitan_cpu.py"
+STEPS = 6
+SMALL = ["--training.seq_len", "256", "--training.local_batch_size", "2", "--training.mixed_precision_param",
+         "float32", "--validator.no-enable", "--parallelism.spmd_backend", "partial_dtensor"]
+ACCO = ["--module", "acco.integrations.torchtitan", "--config", "llama3_debugmodel"]
+HSDP = ["--module", "llama3", "--config", "llama3_debugmodel_ce_loss"]  # the same loss ACCO's config takes
+MESHES = {"fsdp2": ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree",
+                    "2"],
+          "tp": ["--parallelism.data_parallel_replicate_degree", "2", "--parallelism.data_parallel_shard_degree",
+                 "1", "--parallelism.tensor_parallel_degree", "2"]}
+
+
+def _global_batch(mesh: str) -> list:
+    """Two micro-batches per update on every rank (mode acco's halves): local batch 2 x data-parallel degree x 2."""
+    degree = 4 if mesh == "fsdp2" else 2
+    return ["--training.global_batch_size", str(2 * degree * 2)]
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory) -> Path:
+    """The tokenizer and the dataset, and the seed checkpoint every run starts from."""
+    root = tmp_path_factory.mktemp("torchtitan")
+    subprocess.run([sys.executable, str(LAUNCH), "--assets", str(root / "assets"), "--make-assets"], check=True,
+                   timeout=300)
+    run_command(_cmd(1, root, "seed", HSDP + SMALL + ["--checkpoint.enable", "--checkpoint.create_seed_checkpoint",
+                                                      "--training.steps", "1"]), timeout=300)
+    assert (root / "seed" / "checkpoint" / "step-0").is_dir()
+    return root
+
+
+def _cmd(ranks: int, root: Path, name: str, args: list) -> list:
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", str(LAUNCH),
+            "--assets", str(root / "assets"), "--", *args, "--dump_folder", str(root / name),
+            "activation-checkpoint:none"]
+
+
+def _train(root: Path, name: str, args: list, steps: int = STEPS, seeded: bool = True) -> dict:
+    """A 4-rank run from the seed checkpoint (copied in as its step 0); {step: (loss, grad_norm)} as rank 0 logs."""
+    if seeded:
+        (root / name / "checkpoint").mkdir(parents=True, exist_ok=True)
+        shutil.copytree(root / "seed" / "checkpoint" / "step-0", root / name / "checkpoint" / "step-0",
+                        dirs_exist_ok=True)
+    out = run_command(_cmd(4, root, name, args + SMALL + ["--training.steps", str(steps), "--checkpoint.enable",
+                                                          "--checkpoint.interval", "3", "--checkpoint.keep_latest_k",
+                                                          "0"]), timeout=600)
+    return _log(out)
+
+
+def _log(out: str) -> dict:
+    plain = re.sub(r"\x1b\[[0-9;]*m", "", out)
+    rows = re.findall(r"step:\s+(\d+)\s+loss:\s+(\S+)\s+grad_norm:\s+(\S+)", plain)
+    return {int(s): (float(loss), float(norm)) for s, loss, norm in rows}
+
+
+def test_sync_mode_is_torchtitans_hsdp_and_acco_trains_alike(assets):
+    """2 replicas x FSDP2 2: ``--acco.mode sync`` (ZeRO-1 across replicas, no overlap) logs HSDP's loss and
+    gradient norm at every step (the same sums in another order); mode acco (the default) ends within 1% of
+    HSDP's loss after 6 steps, and its loss falls; every rank exits 0 (run_command)."""
+    hsdp = _train(assets, "hsdp", HSDP + MESHES["fsdp2"] + _global_batch("fsdp2"))
+    sync = _train(assets, "sync", ACCO + MESHES["fsdp2"] + _global_batch("fsdp2") + ["--acco.mode", "sync"])
+    acco = _train(assets, "acco", ACCO + MESHES["fsdp2"] + _global_batch("fsdp2"))
+    print(f"fsdp2: hsdp {hsdp}\nsync {sync}\nacco {acco}")  # shown with pytest -s
+    assert sorted(hsdp) == sorted(sync) == sorted(acco) == list(range(1, STEPS + 1)), (hsdp, sync, acco)
+    for step in hsdp:
+        (lh, nh), (ls, ns) = hsdp[step], sync[step]
+        assert abs(ls - lh) <= 2e-4 * lh and abs(ns - nh) <= 2e-3 * nh, (step, hsdp, sync)
+    assert acco[1][0] == pytest.approx(hsdp[1][0], rel=1e-4)  # the seed's weights, before any update
+    assert abs(acco[STEPS][0] - hsdp[STEPS][0]) <= 0.01 * hsdp[STEPS][0], (hsdp, acco)
+    assert acco[STEPS][0] < acco[1][0] - 0.1, acco
+    assert all(n > 0 for _, n in acco.values()), acco  # the logged norm is ACCO's, not clip_grad_norm_'s of no .grad
+
+
+def test_tensor_parallel_inside_replicas(assets):
+    """2 replicas x TP 2 (torchtitan's Llama plan, SequenceParallel norms): mode sync equals HSDP's losses, mode
+    acco ends within 1% of them."""
+    hsdp = _train(assets, "hsdp-tp", HSDP + MESHES["tp"] + _global_batch("tp"))
+    sync = _train(assets, "sync-tp", ACCO + MESHES["tp"] + _global_batch("tp") + ["--acco.mode", "sync"])
+    acco = _train(assets, "acco-tp", ACCO + MESHES["tp"] + _global_batch("tp"))
+    print(f"tp: hsdp {hsdp}\nsync {sync}\nacco {acco}")  # shown with pytest -s
+    for step in hsdp:
+        assert abs(sync[step][0] - hsdp[step][0]) <= 2e-4 * hsdp[step][0], (step, hsdp, sync)
+    assert abs(acco[STEPS][0] - hsdp[STEPS][0]) <= 0.01 * hsdp[STEPS][0], (hsdp, acco)
+
+
+def test_a_stopped_run_resumes_bit_identically(assets):
+    """torchtitan's checkpointer (DCP): a run resumed from its step-3 checkpoint logs the straight run's losses
+    and gradient norms to the last digit, and its step-6 checkpoint holds the same tensors."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    args = ACCO + MESHES["fsdp2"] + _global_batch("fsdp2")
+    straight = _train(assets, "straight", args)
+    shutil.copytree(assets / "straight" / "checkpoint" / "step-3", assets / "resumed" / "checkpoint" / "step-3")
+    resumed = _train(assets, "resumed", args, seeded=False)
+    assert sorted(resumed) == [4, 5, 6], resumed
+    assert {s: straight[s] for s in resumed} == resumed, (straight, resumed)
+    a, b = (assets / n / "step6.pt" for n in ("straight", "resumed"))
+    for n, path in (("straight", a), ("resumed", b)):
+        dcp_to_torch_save(str(assets / n / "checkpoint" / "step-6"), str(path))
+    sa, sb = torch.load(a, weights_only=False), torch.load(b, weights_only=False)
+    flat_a, flat_b = _tensors(sa), _tensors(sb)
+    assert flat_a.keys() == flat_b.keys() and len(flat_a) > 10
+    differ = [k for k in flat_a if not torch.equal(flat_a[k], flat_b[k])]
+    assert differ == [], differ[:5]
+
+
+def _tensors(tree, prefix: str = "") -> dict:
+    import torch
+
+    out = {}
+    if isinstance(tree, dict):
+        for k, v in tree.items():
+            out.update(_tensors(v, f"{prefix}{k}."))
+    elif isinstance(tree, torch.Tensor):
+        out[prefix] = tree
+    return out
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--parallelism.pipeline_parallel_degree", "2"], "pipeline parallelism"),
+    (["--parallelism.spmd_backend", "full_dtensor"], "use --parallelism.spmd_backend partial_dtensor"),
+    (["--training.global_batch_size", "2"], "mode acco needs 2 or more micro-batches per update, got 1"),
+])
+def test_refused_at_start_with_the_reason(assets, args, words):
+    """What ACCO cannot run under torchtitan stops the job at start, naming it and the fix."""
+    cmd = _cmd(1, assets, "refused", ACCO + SMALL + args)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0 and words in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-3000:]
