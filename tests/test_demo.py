@@ -59,7 +59,9 @@ def test_short_demo_table_comes_from_its_records(tmp_path):
     assert rows["ACCO"][1] == f"{(runs['acco']['tokens'] / runs['acco']['seconds']) / (runs['sync']['tokens'] / runs['sync']['seconds']):.2f}"
     tps = {m: runs[m]["tokens"] / runs[m]["seconds"] for m in names}
     faster = tps["acco"] >= 1.05 * max(tps["ddp"], tps["sync"])  # the verdict's rule, from the records
-    assert ("ACCO trained" in output) == faster and ("ACCO was not faster" in output) == (not faster), (tps, output)
+    # (the int8 sentence may say "ACCO trained ... as fast as with full-width rounds" either way: not the verdict)
+    said_faster = re.search(r"ACCO trained [\d.]+x as fast as ZeRO-1", output) is not None
+    assert said_faster == faster and ("ACCO was not faster" in output) == (not faster), (tps, output)
     paid = tps["acco-int8"] >= 1.05 * tps["acco"]  # the int8 sentence's rule
     assert ("With int8 rounds" in output) == paid and ("Int8 rounds did not pay" in output) == (not paid), output
     import demo
