@@ -91,3 +91,38 @@ def run_worker(worker_args: Sequence[str], ranks: int, loopback: bool, env: Opti
         # A record was written after the timed run; a failure at teardown is reported, not hidden.
         record["exit_clean"] = not failed
         return record
+
+
+def record_row(row: Dict, out: Optional[str]) -> None:
+    """Print one run's record and append it to ``out`` (JSON lines), if given."""
+    print(json.dumps(row), flush=True)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        with open(out, "a") as f:
+            f.write(json.dumps(row) + "\n")
+
+
+def print_speedup(rows: Sequence[Dict], methods: Sequence[str], new: str, old: str) -> None:
+    """Each method's tokens/s (median and range over its runs) and ``new``'s over ``old``'s, per repeat (the runs
+    interleaved in that order)."""
+    import statistics
+
+    ratios = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in
+              zip([r for r in rows if r["method"] == new], [r for r in rows if r["method"] == old])]
+    for method in methods:
+        tps = [r["tokens_per_s"] for r in rows if r["method"] == method]
+        print(f"{method}: tokens/s median {statistics.median(tps):.0f} ({min(tps):.0f}-{max(tps):.0f})")
+    print(f"{new} / {old} tokens/s: median {statistics.median(ratios):.3f} "
+          f"({min(ratios):.3f}-{max(ratios):.3f}) over {len(ratios)} repeats")
+
+
+def two_hosts(script: Sequence[str], loopback: bool) -> List[List[str]]:
+    """``script`` under torchrun as two hosts of two ranks: one torchrun of 4 on loopback, else one per namespace
+    of ``netns.py`` (``acco-r0``, ``acco-r1``), 2 ranks each, gloo on the namespace's interface."""
+    run = [sys.executable, "-m", "torch.distributed.run"]
+    if loopback:
+        return [run + ["--standalone", "--nproc-per-node", "4", *script]]
+    port = str(20000 + os.getpid() % 20000)
+    return [netns.exec_prefix(k) + ["env", f"GLOO_SOCKET_IFNAME={netns.IFACE}"] + run
+            + ["--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(k), "--master-addr", netns.rank_addr(0),
+               "--master-port", port, *script] for k in range(2)]

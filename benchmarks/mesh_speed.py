@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import statistics
 import sys
 import tempfile
 import time
@@ -31,7 +29,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _launch  # noqa: E402
-import netns  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = ["hsdp-adamw", "fsdp2-acco"]
@@ -92,14 +89,7 @@ def worker(args) -> None:
 
 def commands(worker_args, loopback: bool):
     """One torchrun per host: loopback, one torchrun of 4; else one per namespace, 2 ranks each."""
-    run = [sys.executable, "-m", "torch.distributed.run"]
-    script = [str(Path(__file__).resolve()), *worker_args]
-    if loopback:
-        return [run + ["--standalone", "--nproc-per-node", "4", *script]]
-    port = str(20000 + os.getpid() % 20000)
-    return [netns.exec_prefix(k) + ["env", f"GLOO_SOCKET_IFNAME={netns.IFACE}"] + run
-            + ["--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(k), "--master-addr", netns.rank_addr(0),
-               "--master-port", port, *script] for k in range(2)]
+    return _launch.two_hosts([str(Path(__file__).resolve()), *worker_args], loopback)
 
 
 def one_run(method: str, args) -> dict:
@@ -155,18 +145,8 @@ def main() -> None:
             r = one_run(method, args)
             r.update(repeat=rep, rate_mbit=None if args.loopback else args.rate_mbit, loopback=args.loopback)
             rows.append(r)
-            print(json.dumps(r), flush=True)
-            if args.out:
-                with open(args.out, "a") as f:
-                    f.write(json.dumps(r) + "\n")
-    ratios = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in
-              zip([r for r in rows if r["method"] == "fsdp2-acco"], [r for r in rows if r["method"] == "hsdp-adamw"])]
-    for method in METHODS:
-        tps = [r["tokens_per_s"] for r in rows if r["method"] == method]
-        print(f"{method}: tokens/s median {statistics.median(tps):.0f} ({min(tps):.0f}-{max(tps):.0f})")
-    print(f"fsdp2-acco / hsdp-adamw tokens/s: median {statistics.median(ratios):.3f} "
-          f"({min(ratios):.3f}-{max(ratios):.3f}) over {len(ratios)} repeats")
-
+            _launch.record_row(r, args.out)
+    _launch.print_speedup(rows, METHODS, "fsdp2-acco", "hsdp-adamw")
 
 if __name__ == "__main__":
     main()

@@ -18,8 +18,6 @@ the steps after ``--warmup``, times the 4 ranks.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import re
 import statistics
 import sys
@@ -29,7 +27,6 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import _launch  # noqa: E402
-import netns  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = ROOT / "tests" / "torchtitan_cpu.py"
@@ -47,14 +44,8 @@ def torchtitan_args(method: str, args, dump: Path) -> list:
 
 
 def commands(targs: list, assets: Path, loopback: bool) -> list:
-    script = [str(LAUNCH), "--assets", str(assets), "--", *targs]
-    run = [sys.executable, "-m", "torch.distributed.run"]
-    if loopback:
-        return [run + ["--standalone", "--nproc-per-node", "4", *script]]
-    port = str(20000 + os.getpid() % 20000)
-    return [netns.exec_prefix(k) + ["env", f"GLOO_SOCKET_IFNAME={netns.IFACE}"] + run
-            + ["--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(k), "--master-addr", netns.rank_addr(0),
-               "--master-port", port, *script] for k in range(2)]
+    """One torchrun per host (``_launch.two_hosts``) of torchtitan through its CPU work-arounds."""
+    return _launch.two_hosts([str(LAUNCH), "--assets", str(assets), "--", *targs], loopback)
 
 
 def parse(log: str, warmup: int) -> dict:
@@ -95,7 +86,10 @@ def main() -> None:
     p.add_argument("--out", default=None, help="JSON lines, one per run (appended)")
     args = p.parse_args()
     if not (args.assets / "tokenizer" / "tokenizer.json").exists():
-        _launch.run_processes([[sys.executable, str(LAUNCH), "--assets", str(args.assets), "--make-assets"]])
+        logs, failed = _launch.run_processes([[sys.executable, str(LAUNCH), "--assets", str(args.assets),
+                                               "--make-assets"]])
+        if failed:
+            raise RuntimeError("making the tokenizer and the dataset failed:\n" + logs[0][-3000:])
     if args.smoke:
         args.steps, args.warmup, args.repeats, args.loopback = 4, 2, 1, True
     if args.calibrate:
@@ -107,19 +101,8 @@ def main() -> None:
             r.update(repeat=rep, rate_mbit=None if args.loopback else args.rate_mbit, loopback=args.loopback,
                      seq_len=args.seq_len, batch=args.batch, steps=args.steps, warmup=args.warmup)
             rows.append(r)
-            print(json.dumps(r), flush=True)
-            if args.out:
-                Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-                with open(args.out, "a") as f:
-                    f.write(json.dumps(r) + "\n")
-    ratios = [a["tokens_per_s"] / b["tokens_per_s"] for a, b in
-              zip([r for r in rows if r["method"] == "acco"], [r for r in rows if r["method"] == "hsdp"])]
-    for method in METHODS:
-        tps = [r["tokens_per_s"] for r in rows if r["method"] == method]
-        print(f"{method}: tokens/s median {statistics.median(tps):.0f} ({min(tps):.0f}-{max(tps):.0f})")
-    print(f"acco / hsdp tokens/s: median {statistics.median(ratios):.3f} ({min(ratios):.3f}-{max(ratios):.3f}) "
-          f"over {len(ratios)} repeats")
-
+            _launch.record_row(r, args.out)
+    _launch.print_speedup(rows, list(METHODS), "acco", "hsdp")
 
 if __name__ == "__main__":
     main()

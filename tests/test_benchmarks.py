@@ -97,6 +97,20 @@ def test_mesh_speed_smoke(tmp_path):
     assert "fsdp2-acco / hsdp-adamw tokens/s: median" in out, out
 
 
+def test_torchtitan_speed_smoke(tmp_path):
+    """benchmarks/torchtitan_speed.py runs torchtitan's HSDP and torchtitan + ACCO on 4 ranks on loopback, reads
+    torchtitan's own tps from its log and prints their ratio."""
+    from extras import available
+
+    if not available("torchtitan", "torchtitan"):
+        pytest.skip("needs torchtitan (pip install -e '.[torchtitan]')")
+    out = run_command([sys.executable, str(BENCH / "torchtitan_speed.py"), "--smoke", "--assets",
+                       str(tmp_path / "assets"), "--out", str(tmp_path / "s.jsonl")], timeout=900)
+    rows = [json.loads(line) for line in (tmp_path / "s.jsonl").read_text().splitlines()]
+    assert [r["method"] for r in rows] == ["hsdp", "acco"] and all(r["tokens_per_s"] > 0 for r in rows), rows
+    assert all(r["steps"] == 4 for r in rows) and "acco / hsdp tokens/s: median" in out, out
+
+
 def test_hetero_smoke(tmp_path):
     """Check hetero.py: the slowed rank contributes fewer micro-batches per round to acco-acc."""
     out = tmp_path / "hetero.jsonl"
