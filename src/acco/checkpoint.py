@@ -258,14 +258,11 @@ def load(path: str, optimizer: "AccoOptimizer", *, model: Optional[torch.nn.Modu
     ``allow_new_microbatches``: accept a checkpoint saved with another ``microbatches_per_update`` and go on
     with the optimizer's (e.g. twice the micro-batches on half the ranks: the same global batch).
     """
-    import torch.distributed.checkpoint as dcp
-
     _same_call(optimizer, "load_state_dict() / acco.checkpoint.load()")
     path = resolve(path)
     where = f"acco.checkpoint.load({path!r})"
     no_dist = not dist.is_initialized()
     group, shard = _place(optimizer)
-    pre = f"optim.{shard}." if shard else "optim."  # this rank's optimizer entries in the checkpoint's keys
 
     def nest(optim: Any) -> Any:
         return {shard: optim} if shard else optim
@@ -274,29 +271,19 @@ def load(path: str, optimizer: "AccoOptimizer", *, model: Optional[torch.nn.Modu
         return tree["optim"][shard] if shard else tree["optim"]
 
     read = _reader(path, group, no_dist, where)
-    try:
-        meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
-    except Exception as exc:
-        raise CheckpointError(f"{where}: its .metadata cannot be read ({type(exc).__name__}: {exc}). "
-                              "Nothing was loaded.") from exc
-    meta_keys = {k[len(pre) + 5:]: tuple(meta[k].size) for k in meta if k.startswith(pre + "meta.")}
-    sum_keys = [k.split(".", 1)[1] for k in meta if k.startswith("checksums.")]
-    if not meta_keys:
-        raise _no_optimizer_here(where, meta, shard)
     # What the checkpoint holds is checked before anything (the model included) is touched.
-    head = {"optim": nest({"meta": meta_template(meta_keys)})}
-    read(head)
+    target, info, meta = _described_target(path, optimizer, ("optim", shard) if shard else ("optim",), read, where,
+                                           lambda meta: _no_optimizer_here(where, meta, shard))
     owners = optimizer.runtime.owners
-    info = decode_meta(unnest(head)["meta"])
-    check_compatible(owners.describe, info, False, owners.rank, owners.world_size)
     sd: Dict[str, Any] = {
-        "optim": nest(load_target(owners, meta, meta_keys, info, pre)),
+        "optim": nest(target),
         "extra": {k: v.clone() for k, v in (extra or {}).items()},
     }
     trained = {}  # the model's entries that are this optimizer's parameters: restored from its slices instead
     if model is not None:
         trained, sd["model"] = _model_entries(model, optimizer)
-    sd["checksums"] = {k: torch.zeros((), dtype=torch.int64) for k in sum_keys}
+    sd["checksums"] = {k.split(".", 1)[1]: torch.zeros((), dtype=torch.int64) for k in meta
+                       if k.startswith("checksums.")}
     read(sd)
     _verify_read(sd, trained, info, owners, where)
     optim = unnest(sd)
@@ -314,24 +301,38 @@ def read_target(path: str, optimizer: "AccoOptimizer", nest: tuple) -> Dict[str,
     checkpointer), its entries nested under the keys ``nest`` (``("optimizer", "acco", "shard1")``): the saved
     pieces that overlap this rank's, with the wrapped optimizer's state that a fresh optimizer's state dict does
     not list yet. Reads the entries' description, checked against this optimizer. Collective."""
+    where = f"acco.checkpoint.read_target({path!r})"
+    group = optimizer.runtime.shards.checkpoint_group(optimizer.process_group)
+    return _described_target(path, optimizer, nest, _reader(path, group, not dist.is_initialized(), where), where,
+                             lambda meta: CheckpointError(f"{where}: no AccoOptimizer description under "
+                                                          f"{'.'.join(nest)}.meta in it. Nothing was loaded."))[0]
+
+
+def _described_target(path: str, optimizer: "AccoOptimizer", nest: tuple, read: Any, where: str,
+                      missing: Any) -> tuple:
+    """``(target, info, metadata)``: the checkpoint's metadata, the optimizer's description nested under ``nest``
+    (read, then checked against ``optimizer``: ``missing(metadata)`` is raised where there is none), and the
+    empty tensors ``dcp.load`` fills to restore it (``load_target``). Collective (``read``)."""
     import torch.distributed.checkpoint as dcp
 
-    where = f"acco.checkpoint.read_target({path!r})"
     pre = ".".join(nest) + "."
-    meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    try:
+        meta = dcp.FileSystemReader(path).read_metadata().state_dict_metadata
+    except Exception as exc:
+        raise CheckpointError(f"{where}: its .metadata cannot be read ({type(exc).__name__}: {exc}). "
+                              "Nothing was loaded.") from exc
     meta_keys = {k[len(pre) + 5:]: tuple(meta[k].size) for k in meta if k.startswith(pre + "meta.")}
     if not meta_keys:
-        raise CheckpointError(f"{where}: no AccoOptimizer description under {pre}meta in it. Nothing was loaded.")
-    group = optimizer.runtime.shards.checkpoint_group(optimizer.process_group)
+        raise missing(meta)
     head: Dict[str, Any] = {"meta": meta_template(meta_keys)}
     tree = head
     for key in reversed(nest):
         tree = {key: tree}
-    _reader(path, group, not dist.is_initialized(), where)(tree)
+    read(tree)
     owners = optimizer.runtime.owners
     info = decode_meta(head["meta"])
     check_compatible(owners.describe, info, False, owners.rank, owners.world_size)
-    return load_target(owners, meta, meta_keys, info, pre)
+    return load_target(owners, meta, meta_keys, info, pre), info, meta
 
 
 def _reader(path: str, group: Any, no_dist: bool, where: str) -> Any:
