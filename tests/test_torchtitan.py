@@ -1,6 +1,7 @@
 """torchtitan (0.3.0) with ACCO across replicas, launched as its users launch it: ``torchrun -m torchtitan.train``'s
 entry point on 4 CPU gloo ranks (``tests/torchtitan_cpu.py`` holds the CPU work-arounds, nothing else), the
-``llama3_debugmodel`` config, ``--module acco.integrations.torchtitan`` against torchtitan's own HSDP.
+``llama3_debugmodel`` config (and DeepSeek-V3's MoE debug model), ``--module acco.integrations.torchtitan`` against
+torchtitan's own HSDP.
 
 Every run starts from one seed checkpoint (torchtitan's ``--checkpoint.create_seed_checkpoint``, loaded model
 only at step 0), as torchtitan compares parallelisms: DTensor's random initialization on CPU depends on the mesh.
@@ -60,12 +61,12 @@ def _cmd(ranks: int, root: Path, name: str, args: list) -> list:
             "activation-checkpoint:none"]
 
 
-def _train(root: Path, name: str, args: list, steps: int = STEPS, seeded: bool = True) -> dict:
+def _train(root: Path, name: str, args: list, steps: int = STEPS, seeded: bool = True,
+           seed: str = "seed/checkpoint/step-0") -> dict:
     """A 4-rank run from the seed checkpoint (copied in as its step 0); {step: (loss, grad_norm)} as rank 0 logs."""
     if seeded:
         (root / name / "checkpoint").mkdir(parents=True, exist_ok=True)
-        shutil.copytree(root / "seed" / "checkpoint" / "step-0", root / name / "checkpoint" / "step-0",
-                        dirs_exist_ok=True)
+        shutil.copytree(root / seed, root / name / "checkpoint" / "step-0", dirs_exist_ok=True)
     out = run_command(_cmd(4, root, name, args + SMALL + ["--training.steps", str(steps), "--checkpoint.enable",
                                                           "--checkpoint.interval", "3", "--checkpoint.keep_latest_k",
                                                           "0"]), timeout=600)
@@ -128,6 +129,69 @@ def test_a_stopped_run_resumes_bit_identically(assets):
     assert flat_a.keys() == flat_b.keys() and len(flat_a) > 10
     differ = [k for k in flat_a if not torch.equal(flat_a[k], flat_b[k])]
     assert differ == [], differ[:5]
+
+
+MOE_ACCO = ["--module", "acco.integrations.torchtitan", "--config", "deepseek_v3_debugmodel"]
+MOE_HSDP = ["--module", "torchtitan_configs", "--config", "deepseek_v3_debugmodel_ce_loss"]  # tests/torchtitan_configs.py
+DEAD = 2  # routed experts 0 and 1 of every MoE layer: the router never picks them
+
+
+@pytest.fixture(scope="module")
+def moe_seed(assets) -> str:
+    """A seed checkpoint of DeepSeek-V3's debug model (8 routed experts, top 3, 2 shared, in 5 of its 6 layers)
+    whose load-balancing biases keep the router from experts 0 and 1 (-1e4: an expert that collapsed). Their
+    weights then get zero gradients, a slice of each 3-D expert parameter that AdamW still moves (its weight
+    decay), as torch does with any zero gradient. The path under ``assets``."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
+
+    run_command(_cmd(1, assets, "moe-seed", MOE_HSDP + SMALL + [
+        "--checkpoint.enable", "--checkpoint.create_seed_checkpoint", "--training.steps", "1"]), timeout=300)
+    dcp_to_torch_save(str(assets / "moe-seed" / "checkpoint" / "step-0"), str(assets / "moe-seed.pt"))
+    state = torch.load(assets / "moe-seed.pt", weights_only=False)
+    biases = [k for k in state if k.endswith("moe.expert_bias_E")]
+    assert len(biases) == 5, sorted(state)
+    for k in biases:
+        state[k][:DEAD] = -1e4
+    torch.save(state, assets / "moe-seed-dead.pt")
+    torch_save_to_dcp(str(assets / "moe-seed-dead.pt"), str(assets / "moe-seed-dead"))
+    return "moe-seed-dead"
+
+
+def test_moe_experts_the_router_never_picks_move_as_torch_moves_them(assets, moe_seed):
+    """2 replicas x FSDP2 2, DeepSeek-V3's MoE debug model with two dead experts per layer (``moe_seed``), 4 steps:
+    mode sync logs HSDP's loss and norm at every step, mode acco ends within 1% of HSDP's loss. The dead experts'
+    weights moved from the seed (AdamW's decay on a zero gradient) and equal HSDP's in both modes; torchtitan's
+    load-balancing hook (a pre-step hook on the optimizers container) ran on ACCO's step(): the biases equal
+    HSDP's in mode sync."""
+    import torch
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    steps, mesh = 4, MESHES["fsdp2"] + _global_batch("fsdp2")
+    logs = {"hsdp": _train(assets, "moe-hsdp", MOE_HSDP + mesh, steps, seed=moe_seed),
+            "sync": _train(assets, "moe-sync", MOE_ACCO + mesh + ["--acco.mode", "sync"], steps, seed=moe_seed),
+            "acco": _train(assets, "moe-acco", MOE_ACCO + mesh, steps, seed=moe_seed)}
+    print(f"moe: {logs}")  # shown with pytest -s
+    hsdp, sync, acco = logs["hsdp"], logs["sync"], logs["acco"]
+    assert sorted(hsdp) == sorted(sync) == sorted(acco) == list(range(1, steps + 1)), logs
+    for step in hsdp:
+        (lh, nh), (ls, ns) = hsdp[step], sync[step]
+        assert abs(ls - lh) <= 2e-4 * lh and abs(ns - nh) <= 2e-3 * nh, (step, logs)
+    assert abs(acco[steps][0] - hsdp[steps][0]) <= 0.01 * hsdp[steps][0] and acco[steps][0] < acco[1][0] - 0.3, logs
+    seed = torch.load(assets / "moe-seed-dead.pt", weights_only=False)
+    final = {}
+    for name in logs:
+        dcp_to_torch_save(str(assets / f"moe-{name}" / "checkpoint" / f"step-{steps}"), str(assets / f"moe-{name}.pt"))
+        final[name] = torch.load(assets / f"moe-{name}.pt", weights_only=False)
+    experts = [k for k in seed if ".inner_experts.w" in k]
+    assert len(experts) == 15, experts
+    for k in experts:
+        moved = (final["hsdp"][k][:DEAD] - seed[k][:DEAD]).norm()
+        assert moved > 0, k
+        for name in ("sync", "acco"):
+            assert (final[name][k][:DEAD] - final["hsdp"][k][:DEAD]).norm() <= 1e-4 * moved, (name, k)
+    for k in (k for k in seed if k.endswith("expert_bias_E")):
+        assert torch.equal(final["sync"][k], final["hsdp"][k]) and not torch.equal(final["sync"][k], seed[k]), k
 
 
 def _tensors(tree, prefix: str = "") -> dict:
