@@ -32,9 +32,9 @@ import report  # noqa: E402
 # the study's method -> the benchmark's label of the same method (both ACCO's default: the bf16 estimate, its
 # step extrapolated by 1.2)
 METHODS = {"ddp": "ddp", "acco-bf16-extrap120": "acco:estimate-bf16", "acco-int8": "acco-int8",
-           "ddp-powersgd": "ddp-powersgd"}
+           "ddp-powersgd": "ddp-powersgd", "ddp-fp16": "ddp-fp16"}
 NAMES = {"ddp": "DDP + AdamW", "acco-bf16-extrap120": "ACCO default", "acco-int8": "ACCO + int8",
-         "ddp-powersgd": "DDP + PowerSGD (rank 4)"}
+         "ddp-powersgd": "DDP + PowerSGD (rank 4)", "ddp-fp16": "DDP + fp16 hook"}
 
 
 def _study():

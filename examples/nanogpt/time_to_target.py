@@ -79,6 +79,9 @@ METHODS: Dict[str, Tuple[str, List[str], List[str]]] = {
     "acco-int8": ("train_acco.py", [], ["--acco-option=compression=int8",
                                          "--acco-option=estimate_extrapolation=1.2"]),
     "ddp-powersgd": ("train_ddp.py", [], ["--ddp-hook=powersgd"]),
+    # DDP with torch's fp16_compress_hook (the gradients all-reduced in fp16, no error feedback): the peer that
+    # sends as many bytes per update as ACCO + int8 (docs/compression.md)
+    "ddp-fp16": ("train_ddp.py", [], ["--ddp-hook=fp16"]),
 }
 # The branch lengths searched, as multiples of DDP's length, from 1 up (or down to 11/12) until two bracket DDP's
 # loss. A trunk first runs to the start of the longest of TRUNK_RATIOS' branches; the longer lengths, for a method
@@ -373,7 +376,8 @@ LABELS = {"ddp": "DDP + AdamW", "acco": "ACCO", "acco-bf16": "ACCO, bf16 estimat
           "sync": "ZeRO-1 (mode sync)", "dpu": "DPU (mode dpu, a one-step-stale gradient)",
           "dpu-ef": "DPU with error feedback (delay_correction=1.0)",
           "acco-int8": "ACCO, int8 rounds with error feedback (compression=\"int8\")",
-          "ddp-powersgd": "DDP + torch's PowerSGD hook (rank 4, error feedback)"}
+          "ddp-powersgd": "DDP + torch's PowerSGD hook (rank 4, error feedback)",
+          "ddp-fp16": "DDP + torch's fp16_compress_hook"}
 
 
 def label(method: str, args: argparse.Namespace) -> str:
@@ -651,7 +655,8 @@ def plot(records: List[dict], args: argparse.Namespace, path: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(12, 4))
     colors = {"ddp": "black", "acco": "tab:blue", "acco-bf16": "tab:orange", "acco-bf16-h3": "tab:green",
               "acco-bf16-blend50": "tab:red", "acco-bf16-extrap120": "tab:purple", "sync": "tab:gray",
-              "dpu": "tab:brown", "dpu-ef": "tab:pink", "acco-int8": "tab:olive", "ddp-powersgd": "tab:cyan"}
+              "dpu": "tab:brown", "dpu-ef": "tab:pink", "acco-int8": "tab:olive", "ddp-powersgd": "tab:cyan",
+              "ddp-fp16": "darkgoldenrod"}
     for m in METHODS:
         ends: Dict[int, List[float]] = {}
         for r in rs:
