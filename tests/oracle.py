@@ -196,6 +196,7 @@ def update_run(
     compression_block: int = 256,
     compression_weights: bool = True,
     divide_by_ranks: bool = True,
+    segments: Optional[List[torch.Tensor]] = None,
 ):
     """One ``step()`` per update of ``m`` micro-batches per rank (``algorithm.md``, "Hand-offs in the user's loop").
 
@@ -216,7 +217,9 @@ def update_run(
     ``compression``: each rank's sum travels :func:`quantized`, the ranks' dequantized sums added in rank order;
     a commit's sum first takes the rank's residual, which becomes what its quantization dropped (the estimate's
     has none); and a round's weights arrive as the model's weights during the round plus the quantized change
-    (``compression_weights=False``: exactly). The average multiplies the ranks' sum by ``1/n_ranks`` (an estimate's by ``m/(h n_ranks)``;
+    (``compression_weights=False``: exactly). ``segments``: the flat vectors the library quantizes, as indices
+    into the flattened model (its tensors in order), each cut into ``n_ranks`` chunks of its own: on a mesh, one
+    per FSDP2 shard, its parameters' local pieces in order (default: the whole model, one vector). The average multiplies the ranks' sum by ``1/n_ranks`` (an estimate's by ``m/(h n_ranks)``;
     ``divide_by_ranks=False``: by ``1`` and ``m/h``, the ranks' gradients added, not averaged), in
     the float the library uses, so that exact sums give the very same inputs to an optimizer that rounds
     (Muon orthogonalises in bf16).
@@ -250,13 +253,22 @@ def update_run(
                         seen[i] = True
                 nxt[r] += 1
 
+    def trip(x: torch.Tensor) -> torch.Tensor:
+        """The flat ``x`` through the 8-bit trip, each of ``segments`` on its own."""
+        if segments is None:
+            return quantized(x, compression, compression_block, n_ranks)
+        out = torch.full_like(x, float("nan"))  # an index no segment covers shows as NaN
+        for idx in segments:
+            out[idx] = quantized(x[idx], compression, compression_block, n_ranks)
+        return out
+
     def arrived(weights: Tensors, reference: Tensors) -> Tensors:
         """A round's weights as every rank gets them: exactly, or (compression) the weights every rank held
         during the round plus the 8-bit trip of the change, per owner's chunk, in fp32."""
         if compression is None or not compression_weights:
             return [w.detach().clone() for w in weights]
         ref = _flat(reference)
-        return _unflat(ref + quantized(_flat(weights) - ref, compression, compression_block, n_ranks), reference)
+        return _unflat(ref + trip(_flat(weights) - ref), reference)
 
     def travelled(accum: Tensors, commit: bool) -> Tensors:
         """The ranks' sum as the round sums it: ``accum`` itself, or each rank's through the 8-bit trip."""
@@ -265,7 +277,7 @@ def update_run(
         total = None
         for r in range(n_ranks):
             x = _flat(own[r]) + (residual[r] if commit else 0.0)
-            sent = quantized(x, compression, compression_block, n_ranks)
+            sent = trip(x)
             if commit:
                 residual[r] = x - sent
             total = sent if total is None else total + sent
