@@ -219,7 +219,8 @@ def update_run(
     has none); and a round's weights arrive as the model's weights during the round plus the quantized change
     (``compression_weights=False``: exactly). ``segments``: the flat vectors the library quantizes, as indices
     into the flattened model (its tensors in order), each cut into ``n_ranks`` chunks of its own: on a mesh, one
-    per FSDP2 shard, its parameters' local pieces in order (default: the whole model, one vector). The average multiplies the ranks' sum by ``1/n_ranks`` (an estimate's by ``m/(h n_ranks)``;
+    per FSDP2 shard, its parameters' local pieces in order (default: the whole model, one vector). The average
+    multiplies the ranks' sum by ``1/n_ranks`` (an estimate's by ``m/(h n_ranks)``;
     ``divide_by_ranks=False``: by ``1`` and ``m/h``, the ranks' gradients added, not averaged), in
     the float the library uses, so that exact sums give the very same inputs to an optimizer that rounds
     (Muon orthogonalises in bf16).

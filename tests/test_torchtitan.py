@@ -49,8 +49,9 @@ def assets(tmp_path_factory) -> Path:
     root = tmp_path_factory.mktemp("torchtitan")
     subprocess.run([sys.executable, str(LAUNCH), "--assets", str(root / "assets"), "--make-assets"], check=True,
                    timeout=300)
-    run_command(_cmd(1, root, "seed", HSDP + SMALL + ["--checkpoint.enable", "--checkpoint.create_seed_checkpoint",
-                                                      "--training.steps", "1"]), timeout=300)
+    run_command(_cmd(1, root, "seed", HSDP + SMALL + ["--debug.seed", "0", "--checkpoint.enable",
+                                                      "--checkpoint.create_seed_checkpoint", "--training.steps", "1"]),
+                timeout=300)
     assert (root / "seed" / "checkpoint" / "step-0").is_dir()
     return root
 
@@ -132,7 +133,7 @@ def test_a_stopped_run_resumes_bit_identically(assets):
 
 
 MOE_ACCO = ["--module", "acco.integrations.torchtitan", "--config", "deepseek_v3_debugmodel"]
-MOE_HSDP = ["--module", "torchtitan_configs", "--config", "deepseek_v3_debugmodel_ce_loss"]  # tests/torchtitan_configs.py
+MOE_HSDP = ["--module", "torchtitan_configs", "--config", "deepseek_v3_debugmodel_ce_loss"]  # the tests' own
 DEAD = 2  # routed experts 0 and 1 of every MoE layer: the router never picks them
 
 
@@ -145,7 +146,7 @@ def moe_seed(assets) -> str:
     import torch
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
 
-    run_command(_cmd(1, assets, "moe-seed", MOE_HSDP + SMALL + [
+    run_command(_cmd(1, assets, "moe-seed", MOE_HSDP + SMALL + ["--debug.seed", "0",
         "--checkpoint.enable", "--checkpoint.create_seed_checkpoint", "--training.steps", "1"]), timeout=300)
     dcp_to_torch_save(str(assets / "moe-seed" / "checkpoint" / "step-0"), str(assets / "moe-seed.pt"))
     state = torch.load(assets / "moe-seed.pt", weights_only=False)
@@ -158,7 +159,19 @@ def moe_seed(assets) -> str:
     return "moe-seed-dead"
 
 
-def test_moe_experts_the_router_never_picks_move_as_torch_moves_them(assets, moe_seed):
+MOE_STEPS = 4
+
+
+@pytest.fixture(scope="module")
+def moe_runs(assets, moe_seed) -> dict:
+    """HSDP, mode sync and mode acco on 2 replicas x FSDP2 2 from ``moe_seed``, 4 steps (each saves its last)."""
+    mesh = MESHES["fsdp2"] + _global_batch("fsdp2")
+    return {"hsdp": _train(assets, "moe-hsdp", MOE_HSDP + mesh, MOE_STEPS, seed=moe_seed),
+            "sync": _train(assets, "moe-sync", MOE_ACCO + mesh + ["--acco.mode", "sync"], MOE_STEPS, seed=moe_seed),
+            "acco": _train(assets, "moe-acco", MOE_ACCO + mesh, MOE_STEPS, seed=moe_seed)}
+
+
+def test_moe_experts_the_router_never_picks_move_as_torch_moves_them(assets, moe_runs):
     """2 replicas x FSDP2 2, DeepSeek-V3's MoE debug model with two dead experts per layer (``moe_seed``), 4 steps:
     mode sync logs HSDP's loss and norm at every step, mode acco ends within 1% of HSDP's loss. The dead experts'
     weights moved from the seed (AdamW's decay on a zero gradient) and equal HSDP's in both modes; torchtitan's
@@ -167,10 +180,7 @@ def test_moe_experts_the_router_never_picks_move_as_torch_moves_them(assets, moe
     import torch
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    steps, mesh = 4, MESHES["fsdp2"] + _global_batch("fsdp2")
-    logs = {"hsdp": _train(assets, "moe-hsdp", MOE_HSDP + mesh, steps, seed=moe_seed),
-            "sync": _train(assets, "moe-sync", MOE_ACCO + mesh + ["--acco.mode", "sync"], steps, seed=moe_seed),
-            "acco": _train(assets, "moe-acco", MOE_ACCO + mesh, steps, seed=moe_seed)}
+    steps, logs = MOE_STEPS, moe_runs
     print(f"moe: {logs}")  # shown with pytest -s
     hsdp, sync, acco = logs["hsdp"], logs["sync"], logs["acco"]
     assert sorted(hsdp) == sorted(sync) == sorted(acco) == list(range(1, steps + 1)), logs
@@ -192,6 +202,31 @@ def test_moe_experts_the_router_never_picks_move_as_torch_moves_them(assets, moe
             assert (final[name][k][:DEAD] - final["hsdp"][k][:DEAD]).norm() <= 1e-4 * moved, (name, k)
     for k in (k for k in seed if k.endswith("expert_bias_E")):
         assert torch.equal(final["sync"][k], final["hsdp"][k]) and not torch.equal(final["sync"][k], seed[k]), k
+
+
+def test_a_checkpoint_of_two_replicas_resumes_on_one(assets, moe_runs):
+    """Resharding: the step-4 checkpoints of 2 replicas x FSDP2 2 resumed on 1 replica x FSDP2 2 (2 ranks, ACCO
+    on each rank alone). Mode sync logs what torchtitan's own HSDP logs from its checkpoint at steps 5 and 6, so
+    ACCO's state (AdamW's moments, from 2 owners' chunks onto 1) was loaded: HSDP without its optimizer state
+    logs another step-6 loss. torchtitan's dataloader refuses a change of data-parallel degree
+    (``--checkpoint.exclude_from_loading dataloader``)."""
+    def resume(name: str, source: str, args: list, exclude: str = "dataloader") -> dict:
+        (assets / name / "checkpoint").mkdir(parents=True, exist_ok=True)
+        shutil.copytree(assets / source / "checkpoint" / f"step-{MOE_STEPS}",
+                        assets / name / "checkpoint" / f"step-{MOE_STEPS}", dirs_exist_ok=True)
+        return _log(run_command(_cmd(2, assets, name, args + SMALL + [
+            "--parallelism.data_parallel_replicate_degree", "1", "--parallelism.data_parallel_shard_degree", "2",
+            "--training.global_batch_size", "8", "--training.steps", "6", "--checkpoint.enable",
+            "--checkpoint.interval", "10", "--checkpoint.exclude_from_loading", exclude]), timeout=600))
+
+    hsdp = resume("rs-hsdp", "moe-hsdp", MOE_HSDP)
+    sync = resume("rs-sync", "moe-sync", MOE_ACCO + ["--acco.mode", "sync"])
+    fresh = resume("rs-fresh", "moe-hsdp", MOE_HSDP, exclude="dataloader,optimizer")
+    print(f"resharded: hsdp {hsdp} sync {sync} without optimizer state {fresh}")  # shown with pytest -s
+    assert sorted(hsdp) == sorted(sync) == [5, 6], (hsdp, sync)
+    for step in hsdp:
+        assert abs(sync[step][0] - hsdp[step][0]) <= 2e-4 * hsdp[step][0], (step, hsdp, sync)
+    assert abs(fresh[6][0] - hsdp[6][0]) > 20 * abs(sync[6][0] - hsdp[6][0]) + 1e-3, (hsdp, sync, fresh)
 
 
 def _tensors(tree, prefix: str = "") -> dict:

@@ -13,7 +13,8 @@ What changes against torchtitan's HSDP, and why (``docs/integrations.md``, "torc
 
 * **The mesh.** torchtitan's own ``parallelize_fn`` runs, told that replication is off, so FSDP2 shards over
   ``dp_shard`` (``fsdp``) only and tensor parallelism goes where torchtitan puts it; FSDP2 is never handed the
-  2-D HSDP mesh. ``AccoOptimizer`` then runs its rounds on the ``dp_replicate`` mesh.
+  2-D HSDP mesh. ``AccoOptimizer`` then runs its rounds on the ``dp_replicate`` mesh (one replica: on each rank
+  alone, so a run resumes on fewer replicas).
 * **The gradient.** torchtitan divides each rank's loss by the global token count and sums across ranks
   (FSDP2's divide factor 1), so the rounds add the replicas' gradients (``divide_by_ranks=False``): the update
   is HSDP's. ``--training.global_batch_size`` sets the micro-batches per update (mode acco needs 2 or more).
@@ -22,7 +23,8 @@ What changes against torchtitan's HSDP, and why (``docs/integrations.md``, "torc
   ``grad_norm`` is the norm of the last round ACCO collected (in mode acco, that update's estimate; the
   committed gradient's is one update behind).
 * **Checkpoints.** torchtitan's checkpointer (DCP) saves the committed weights as the model and ACCO's state
-  under FQN-free, per-shard keys (``optimizer.acco.<shard>.*``); a resume on the same mesh is bit-identical.
+  under FQN-free, per-shard keys (``optimizer.acco.<shard>.*``); a resume on the same mesh is bit-identical,
+  and on another number of replicas (the same model shards) the state is resharded.
 * **A model-only load** (a seed checkpoint, ``--checkpoint.initial_load_path``, HF weights) is taken as the
   starting weights (``take_model_weights()``: the optimizer was built before torchtitan loads).
 * **Validation** sees the committed weights; the end of ``train()`` calls ``finish()``.
@@ -255,7 +257,11 @@ class AccoTrainer(Trainer):
                 f"acco.integrations.torchtitan: mode acco needs 2 or more micro-batches per update, got {m} "
                 "(--training.global_batch_size is local_batch_size x data-parallel degree): set "
                 "--training.global_batch_size to twice that, or --acco.mode dpu/sync")
-        group = parallel_dims.get_mesh("dp_replicate") if parallel_dims.dp_replicate_enabled else None
+        if parallel_dims.dp_replicate_enabled:
+            group = parallel_dims.get_mesh("dp_replicate")
+        else:  # one replica: ACCO on this rank alone (the default group, the world, would span FSDP2's mesh)
+            # Collective on the world (every rank builds every one-rank group): torch's new_subgroups.
+            group, _ = torch.distributed.new_subgroups(group_size=1)
         max_norm = self.config.training.max_norm
         optimizers.start(process_group=group, microbatches_per_update=m, max_grad_norm=max_norm if max_norm > 0 else None,
                          settings=self.config.acco)
