@@ -183,3 +183,14 @@ def test_counted_ranges_merges_neighbouring_pieces():
     assert counted_ranges([True, True, True, True, False, True], pieces) == [(0, 9), (12, 20)]
     assert counted_ranges([False, True, False, True, False, True], pieces) == [(3, 9), (12, 20)]
     assert counted_ranges([True] * 6, pieces) is None
+
+
+def test_a_refused_meshs_description_counts_runs_of_equal_parameters():
+    """The load's refusal names both meshes; a model's parameters under one placement are one row, counted."""
+    from acco.state.format import brief_mesh
+
+    row = "('fsdp',):(2,):('S(0)',)"
+    assert brief_mesh(";".join([row] * 83) + " as shard0") == f"{row} x83 as shard0"
+    assert brief_mesh(f"{row};{row};('tp',):(2,):('R',);{row} as shard1") == \
+        f"{row} x2;('tp',):(2,):('R',);{row} as shard1"
+    assert brief_mesh("no mesh") == "no mesh"

@@ -166,6 +166,19 @@ SHARD_FIX = (
 )
 
 
+def brief_mesh(mesh: str) -> str:
+    """A state's mesh description (one ``;``-separated row per parameter) with runs of equal rows written once
+    and counted: a model's 83 parameters under one FSDP2 placement are one row, not 83."""
+    body, sep, shard = mesh.rpartition(" as ") if " as " in mesh else (mesh, "", "")
+    rows: List[List[Any]] = []
+    for row in body.split(";"):
+        if rows and rows[-1][0] == row:
+            rows[-1][1] += 1
+        else:
+            rows.append([row, 1])
+    return ";".join(f"{row} x{n}" if n > 1 else row for row, n in rows) + sep + shard
+
+
 def check_compatible(mine: Dict[str, Any], saved: Dict[str, Any], rank_shard: bool, rank: int, world_size: int) -> None:
     """Refuse a state dict that another optimizer, model, mode or rank wrote, before any state changes."""
     if saved.get("format") not in (2, FORMAT_VERSION):
@@ -176,8 +189,9 @@ def check_compatible(mine: Dict[str, Any], saved: Dict[str, Any], rank_shard: bo
     # The placements first: another intra-host parallelism changes the local shapes (the layout) too.
     if saved.get("mesh", "no mesh") != mine.get("mesh", "no mesh"):
         raise ValueError(
-            f"AccoOptimizer.load_state_dict(): the state was written with DTensor parameters {saved.get('mesh', 'no mesh')!r}; "
-            f"this optimizer's are {mine.get('mesh', 'no mesh')!r} (placements on the parameters' mesh, and this "
+            f"AccoOptimizer.load_state_dict(): the state was written with DTensor parameters "
+            f"{brief_mesh(saved.get('mesh', 'no mesh'))!r}; this optimizer's are "
+            f"{brief_mesh(mine.get('mesh', 'no mesh'))!r} (placements on the parameters' mesh, and this "
             "rank's model shard). Resume with the same intra-host parallelism (the same FSDP2/tensor-parallel "
             "plan on a mesh of the same shape; the number of hosts may change with acco.checkpoint), and with "
             "each rank's own file for opt.state_dict(). Nothing was loaded."
