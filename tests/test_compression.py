@@ -109,6 +109,33 @@ def test_compressed_rounds_equal_the_oracle(world, name):
         assert r["residual"] > 0, r
 
 
+@pytest.mark.parametrize("kind,block", [("int8", 16), ("int8", 7), ("fp8", 16), ("fp8", 100)])
+def test_the_quantizer_works_through_a_chunk_in_slabs_as_the_oracle_quantizes_it_whole(monkeypatch, kind, block):
+    """Slabs of 64 elements (the library's are 2^18): a chunk of 3 slabs and a tail, a block of zeros among them,
+    blocks that do not divide a slab; packed then unpacked, the change against a reference, the add into bf16
+    weights and the residual are the oracle's whole-chunk transcription, bit for bit."""
+    import acco.quantize as q
+    from oracle import quantized
+
+    monkeypatch.setattr(q, "SLAB", 64)
+    n = 3 * 64 + 5
+    g = torch.Generator().manual_seed(block)
+    x, ref = torch.randn(n, generator=g) * 1e-2, torch.randn(n, generator=g) * 1e-2
+    x[70:90] = 0.0
+    packed = torch.empty(q.packed_size(n, block), dtype=torch.uint8)
+    q.quantize(x, kind, block, packed)
+    assert torch.equal(q.dequantize(packed, kind, block, n), quantized(x, kind, block, 1))
+    residual = torch.empty(n)
+    q.residual_of(x, packed, kind, block, residual)
+    assert torch.equal(residual, x - quantized(x, kind, block, 1))
+    q.quantize(x, kind, block, packed, minus=ref)
+    change = quantized(x - ref, kind, block, 1)
+    assert torch.equal(q.dequantize(packed, kind, block, n), change)
+    weights = ref.to(torch.bfloat16)
+    q.dequantize_add_(packed, kind, block, n, weights)
+    assert torch.equal(weights, (ref.to(torch.bfloat16).float() + change).to(torch.bfloat16))
+
+
 @pytest.mark.parametrize("options,error,words", [
     ({"compression": "int4"}, ValueError, "compression must be None, 'int8' or 'fp8'"),
     ({"compression": "int8", "compression_block": 0}, ValueError, "compression_block must be an int >= 1"),

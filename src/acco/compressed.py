@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from .collectives import all_gather_flat
-from .quantize import dequantize, packed_size, quantize
+from .quantize import dequantize_add_, packed_size, quantize, residual_of
 from .shard_buffers import Packed
 
 __all__ = ["all_gather_packed", "keep_residual", "reduce_scatter_packed"]
@@ -41,30 +41,28 @@ def reduce_scatter_packed(out: torch.Tensor, x: torch.Tensor, packed: Packed, gr
         # all-to-all: the j-th chunk of send to rank j; recv holds every rank's chunk for this rank, in rank order
         dist.all_to_all_single(packed.recv, packed.send, group=group)
     out.zero_()
-    for j in range(world):
-        out.add_(dequantize(packed.recv[j * packed.chunk:(j + 1) * packed.chunk], packed.kind, packed.block,
-                            shard_size))
+    for j in range(world):  # in rank order, in fp32
+        dequantize_add_(packed.recv[j * packed.chunk:(j + 1) * packed.chunk], packed.kind, packed.block, shard_size,
+                        out)
 
 
 def keep_residual(x: torch.Tensor, packed: Packed, shard_size: int, undo: Optional[torch.Tensor] = None) -> None:
     """The error feedback after a commit that steps: ``residual = x - dequantize(what was sent)``, chunk by chunk
-    (one chunk-sized temporary). ``undo`` (a device flag, the CUDA path): where set, the residual stays."""
+    (slab-sized temporaries). ``undo`` (a device flag, the CUDA path): where set, the residual stays."""
     world = packed.world
     for j, (xs, rs) in enumerate(zip(_chunks(x, shard_size, world), _chunks(packed.residual, shard_size, world))):
-        sent = dequantize(packed.send[j * packed.chunk:(j + 1) * packed.chunk], packed.kind, packed.block,
-                          shard_size)
-        new = xs.float() - sent
-        if undo is not None:
-            new = torch.where(undo, rs.float(), new)
-        rs.copy_(new)
+        residual_of(xs, packed.send[j * packed.chunk:(j + 1) * packed.chunk], packed.kind, packed.block, rs,
+                    keep=undo)
 
 
 def reconstructed(reference: torch.Tensor, source: torch.Tensor, kind: str, block: int) -> torch.Tensor:
     """What :func:`all_gather_packed` makes of one owner's chunk, computed alone: ``reference`` (the weights every
     rank held, compute dtype) plus the dequantized change ``source - reference``. Pure; a new tensor."""
     packed = torch.empty(packed_size(reference.numel(), block), dtype=torch.uint8, device=reference.device)
-    quantize(source.float() - reference.float(), kind, block, packed)
-    return reference.float().add_(dequantize(packed, kind, block, reference.numel())).to(reference.dtype)
+    quantize(source, kind, block, packed, minus=reference)
+    out = reference.clone()
+    dequantize_add_(packed, kind, block, reference.numel(), out)
+    return out
 
 
 def all_gather_packed(weights: torch.Tensor, source: torch.Tensor, packed: Packed,
@@ -83,9 +81,8 @@ def all_gather_packed(weights: torch.Tensor, source: torch.Tensor, packed: Packe
     torch._foreach_copy_(packed.views, [p.detach() for p in packed.params])
     ref = weights[packed.rank * shard_size:(packed.rank + 1) * shard_size]
     mine = packed.send[:packed.chunk]
-    quantize(source.float() - ref.float(), packed.kind, packed.block, mine)  # out of place: source may be the master
+    quantize(source, packed.kind, packed.block, mine, minus=ref)  # source - ref, out of place: source may be the master
     all_gather_flat(packed.recv, mine, group, algorithm)  # every owner's packed change, in rank order
     world = packed.world
-    for j, w in enumerate(_chunks(weights, shard_size, world)):
-        w.copy_(w.float().add_(dequantize(packed.recv[j * packed.chunk:(j + 1) * packed.chunk], packed.kind,
-                                          packed.block, shard_size)))
+    for j, w in enumerate(_chunks(weights, shard_size, world)):  # the reference + the change, in fp32
+        dequantize_add_(packed.recv[j * packed.chunk:(j + 1) * packed.chunk], packed.kind, packed.block, shard_size, w)

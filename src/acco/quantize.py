@@ -19,11 +19,11 @@ every chunk's scales stay aligned.
 from __future__ import annotations
 
 import math
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
-__all__ = ["KINDS", "dequantize", "packed_size", "quantize"]
+__all__ = ["KINDS", "dequantize", "dequantize_add_", "packed_size", "quantize", "residual_of"]
 
 KINDS = {"int8": 127.0, "fp8": 448.0}  # the largest magnitude a payload byte holds
 
@@ -31,6 +31,16 @@ KINDS = {"int8": 127.0, "fp8": 448.0}  # the largest magnitude a payload byte ho
 def packed_size(n: int, block: int) -> int:
     """Bytes of a packed chunk of ``n`` elements: four per block's scale, one per element, padded to four."""
     return 4 * math.ceil(n / block) + 4 * math.ceil(n / 4)
+
+
+SLAB = 1 << 18  # elements the quantizer works through at a time: its fp32 temporaries span at most one slab
+
+
+def _slabs(n: int, block: int):
+    """``(a, b)`` ranges covering ``0..n`` in order, each whole blocks (but the last): at most about ``SLAB``
+    elements, so a chunk's temporaries are a slab's, not the chunk's (``φ/N`` elements, 4 bytes each)."""
+    step = max(1, SLAB // block) * block
+    return [(a, min(a + step, n)) for a in range(0, n, step)]
 
 
 def _blocks(x: torch.Tensor, block: int) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -55,28 +65,61 @@ def _split(packed: torch.Tensor, n: int, block: int) -> Tuple[torch.Tensor, torc
     return packed[: 4 * k].view(torch.float32), packed[4 * k: 4 * k + n]
 
 
-def quantize(x: torch.Tensor, kind: str, block: int, out: torch.Tensor) -> None:
-    """``x`` (1-D, any float dtype) packed into ``out`` (``uint8``, :func:`packed_size` bytes, 4-byte aligned)."""
+def quantize(x: torch.Tensor, kind: str, block: int, out: torch.Tensor,
+             minus: Optional[torch.Tensor] = None) -> None:
+    """``x`` (1-D, any float dtype; with ``minus``, ``x - minus`` in fp32) packed into ``out`` (``uint8``,
+    :func:`packed_size` bytes, 4-byte aligned), slab by slab."""
     top = KINDS[kind]
     scales, payload = _split(out, x.numel(), block)
-    scales.copy_(_scales(x, block, top))
-    k_full = x.numel() // block
-    for part, s, dst in ((_blocks(x, block)[0], scales[:k_full, None], payload[: k_full * block].view(-1, block)),
-                         (_blocks(x, block)[1], scales[k_full:], payload[k_full * block:])):
-        if not part.numel():
-            continue
-        y = part.float() / s
-        if kind == "int8":
-            dst.view(torch.int8).copy_(y.round_().clamp_(-top, top))
-        else:
-            dst.view(torch.float8_e4m3fn).copy_(y.clamp_(-top, top))
+    for a, b in _slabs(x.numel(), block):
+        xs = x[a:b] if minus is None else x[a:b].float() - minus[a:b].float()
+        s = scales[a // block: -(-b // block)]
+        s.copy_(_scales(xs, block, top))
+        k_full = (b - a) // block
+        for part, sc, dst in ((_blocks(xs, block)[0], s[:k_full, None], payload[a: a + k_full * block].view(-1, block)),
+                              (_blocks(xs, block)[1], s[k_full:], payload[a + k_full * block: b])):
+            if not part.numel():
+                continue
+            y = part.float() / sc
+            if kind == "int8":
+                dst.view(torch.int8).copy_(y.round_().clamp_(-top, top))
+            else:
+                dst.view(torch.float8_e4m3fn).copy_(y.clamp_(-top, top))
+
+
+def _dequantized(scales: torch.Tensor, payload: torch.Tensor, kind: str, block: int, a: int, b: int) -> torch.Tensor:
+    """The fp32 values of elements ``a..b`` (whole blocks from ``a``) of a packed chunk: a new slab."""
+    q = (payload[a:b].view(torch.int8) if kind == "int8" else payload[a:b].view(torch.float8_e4m3fn)).float()
+    s = scales[a // block: -(-b // block)]
+    k_full = (b - a) // block
+    q[: k_full * block].view(-1, block).mul_(s[:k_full, None])
+    q[k_full * block:].mul_(s[k_full:])
+    return q
 
 
 def dequantize(packed: torch.Tensor, kind: str, block: int, n: int) -> torch.Tensor:
     """The fp32 values a packed chunk of ``n`` elements stands for (a new tensor)."""
+    out = torch.zeros(n, dtype=torch.float32, device=packed.device)
+    dequantize_add_(packed, kind, block, n, out)
+    return out
+
+
+def dequantize_add_(packed: torch.Tensor, kind: str, block: int, n: int, out: torch.Tensor) -> None:
+    """``out`` (``n`` elements, any float dtype) += the values a packed chunk stands for, added in fp32 and cast
+    back to ``out``'s dtype, slab by slab."""
     scales, payload = _split(packed, n, block)
-    q = (payload.view(torch.int8) if kind == "int8" else payload.view(torch.float8_e4m3fn)).float()
-    k_full = n // block
-    q[: k_full * block].view(-1, block).mul_(scales[:k_full, None])
-    q[k_full * block:].mul_(scales[k_full:])
-    return q
+    for a, b in _slabs(n, block):
+        o = out[a:b]
+        o.copy_(o.float().add_(_dequantized(scales, payload, kind, block, a, b)))
+
+
+def residual_of(x: torch.Tensor, packed: torch.Tensor, kind: str, block: int, out: torch.Tensor,
+                keep: Optional[torch.Tensor] = None) -> None:
+    """``out`` = ``x - dequantize(packed)`` in fp32 (cast to ``out``'s dtype), slab by slab: what the
+    quantization of ``x`` dropped. ``keep`` (a device flag): where set, ``out`` stays as it was."""
+    scales, payload = _split(packed, x.numel(), block)
+    for a, b in _slabs(x.numel(), block):
+        new = x[a:b].float() - _dequantized(scales, payload, kind, block, a, b)
+        if keep is not None:
+            new = torch.where(keep, out[a:b].float(), new)
+        out[a:b].copy_(new)
