@@ -118,15 +118,7 @@ def _mesh_worker(rank: int, world: int, dp: int, tp: int, inside: str = "tp", sh
         model, theta0 = build()
         opt = AccoOptimizer(model.parameters(), torch.optim.AdamW, mode=mode, microbatches_per_update=M,
                             process_group=mesh["dp"], estimate_dtype=estimate_dtype, max_grad_norm=clip, **KW)
-        traj = []
-        for t in range(UPDATES):
-            for j in range(M):
-                _loss(model, host, t * M + j).backward()
-            opt.step()
-            opt.zero_grad()
-            traj.append([_full(p).clone() for p in model.parameters()])
-        opt.finish()
-        final = [_full(p).clone() for p in model.parameters()]
+        traj, final = _trained(model, opt, host)
         ref_steps, _, ref_final = update_run(theta0, lambda ps: torch.optim.AdamW(ps, **KW), mode, grad_fn, dp,
                                              UPDATES, M, estimate_dtype=opt.estimate_dtype, max_grad_norm=clip,
                                              estimate_extrapolation=opt.estimate_extrapolation)
@@ -141,6 +133,20 @@ def _mesh_worker(rank: int, world: int, dp: int, tp: int, inside: str = "tp", sh
     for r in out.values():
         del r["final"]
     return out
+
+
+def _trained(model: nn.Module, opt: AccoOptimizer, host: int):
+    """``UPDATES`` updates of ``M`` micro-batches of host ``host``'s data: every parameter's whole value after
+    each ``step()``, and after ``finish()``."""
+    traj = []
+    for t in range(UPDATES):
+        for j in range(M):
+            _loss(model, host, t * M + j).backward()
+        opt.step()
+        opt.zero_grad()
+        traj.append([_full(p).clone() for p in model.parameters()])
+    opt.finish()
+    return traj, [_full(p).clone() for p in model.parameters()]
 
 
 def _full(p: torch.Tensor) -> torch.Tensor:
@@ -384,15 +390,7 @@ def _compressed_oracle_worker(rank: int, world: int) -> dict:
         model, theta0 = _fsdp_model(mesh["tp"])
         opt = AccoOptimizer(model.parameters(), cls, mode=mode, microbatches_per_update=M, process_group=mesh["dp"],
                             compression=kind, compression_block=8, max_grad_norm=clip, **kw)
-        traj = []
-        for t in range(UPDATES):
-            for j in range(M):
-                _loss(model, rank, t * M + j).backward()
-            opt.step()
-            opt.zero_grad()
-            traj.append([_full(p).clone() for p in model.parameters()])
-        opt.finish()
-        final = [_full(p).clone() for p in model.parameters()]
+        traj, final = _trained(model, opt, rank)
         common = dict(max_grad_norm=clip, estimate_extrapolation=opt.estimate_extrapolation)
         ref_steps, _, ref_final = update_run(theta0, lambda ps: cls(ps, **kw), mode, grad_fn, 2, UPDATES, M,
                                              compression=kind, compression_block=8,
