@@ -4,8 +4,9 @@
 
     nice -n 19 .venv/bin/python examples/nanogpt/powersgd_long.py --seeds 0 --factor 2.5
 
-The trunk (constant LR after the warm-up) goes on from its latest kept checkpoint to the branch's start, then the
-branch cools down over the last 20%, as every branch of the study. Records: docs/convergence_data/powersgd_long.jsonl.
+The trunk (constant LR after the warm-up) goes on from its latest kept checkpoint (in a fresh clone, from update
+0) to the branch's start, then the branch cools down over the last 20%, as every branch of the study. Records:
+docs/convergence_data/powersgd_long.jsonl.
 """
 
 from __future__ import annotations
@@ -36,14 +37,17 @@ def main(argv=None) -> None:
     for seed in a.seeds:
         line = {"method": "ddp-powersgd", "lr": args.lr, "warmup": 100, "seed": seed}
         trunk = ttt.trunk_dir(args, line)
-        kept = max(int(f.stem.split("-")[1]) for f in trunk.glob("ckpt-*.pt") if f.stem.split("-")[1].isdigit())
+        # the study's trunk's latest kept checkpoint, or none (a fresh clone: the trunk runs from update 0)
+        kept = max((int(f.stem.split("-")[1]) for f in trunk.glob("ckpt-*.pt") if f.stem.split("-")[1].isdigit()),
+                   default=0)
         base = ttt.overrides_of(args, line)
         long_trunk = trunk.parent / f"{trunk.name}-to{start}"
         if not (long_trunk / f"ckpt-{start}.pt").exists():
             print(f"seed {seed}: trunk from {kept} to {start}", flush=True)
+            resume = (["--init_from=resume", f"--resume_from={(trunk / f'ckpt-{kept}.pt').resolve()}"] if kept
+                      else [])
             ttt.launch(script, flags, base + [f"--max_iters={start}", "--cooldown_iters=0", f"--min_lr={args.lr}",
-                                              f"--keep_ckpts={start}", "--init_from=resume",
-                                              f"--resume_from={(trunk / f'ckpt-{kept}.pt').resolve()}"], long_trunk)
+                                              f"--keep_ckpts={start}"] + resume, long_trunk)
         print(f"seed {seed}: branch T={t} from {start}", flush=True)
         evals, train, _, wall = ttt.launch(script, flags, base + [
             f"--max_iters={t}", f"--cooldown_iters={t - start}", "--min_lr=0.0", "--init_from=resume",
