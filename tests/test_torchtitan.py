@@ -80,13 +80,21 @@ def _log(out: str) -> dict:
     return {int(s): (float(loss), float(norm)) for s, loss, norm in rows}
 
 
-def test_sync_mode_is_torchtitans_hsdp_and_acco_trains_alike(assets):
+@pytest.fixture(scope="module")
+def fsdp2_runs(assets) -> dict:
+    """torchtitan's HSDP, mode sync and mode acco on 2 replicas x FSDP2 2 from the seed, 6 steps (checkpoints at
+    steps 3 and 6)."""
+    mesh = MESHES["fsdp2"] + _global_batch("fsdp2")
+    return {"hsdp": _train(assets, "hsdp", HSDP + mesh), "sync": _train(assets, "sync", ACCO + mesh + ["--acco.mode",
+                                                                                                     "sync"]),
+            "acco": _train(assets, "acco", ACCO + mesh)}
+
+
+def test_sync_mode_is_torchtitans_hsdp_and_acco_trains_alike(fsdp2_runs):
     """2 replicas x FSDP2 2: ``--acco.mode sync`` (ZeRO-1 across replicas, no overlap) logs HSDP's loss and
     gradient norm at every step (the same sums in another order); mode acco (the default) ends within 1% of
     HSDP's loss after 6 steps, and its loss falls; every rank exits 0 (run_command)."""
-    hsdp = _train(assets, "hsdp", HSDP + MESHES["fsdp2"] + _global_batch("fsdp2"))
-    sync = _train(assets, "sync", ACCO + MESHES["fsdp2"] + _global_batch("fsdp2") + ["--acco.mode", "sync"])
-    acco = _train(assets, "acco", ACCO + MESHES["fsdp2"] + _global_batch("fsdp2"))
+    hsdp, sync, acco = fsdp2_runs["hsdp"], fsdp2_runs["sync"], fsdp2_runs["acco"]
     print(f"fsdp2: hsdp {hsdp}\nsync {sync}\nacco {acco}")  # shown with pytest -s
     assert sorted(hsdp) == sorted(sync) == sorted(acco) == list(range(1, STEPS + 1)), (hsdp, sync, acco)
     for step in hsdp:
@@ -110,26 +118,49 @@ def test_tensor_parallel_inside_replicas(assets):
     assert abs(acco[STEPS][0] - hsdp[STEPS][0]) <= 0.01 * hsdp[STEPS][0], (hsdp, acco)
 
 
-def test_a_stopped_run_resumes_bit_identically(assets):
-    """torchtitan's checkpointer (DCP): a run resumed from its step-3 checkpoint logs the straight run's losses
-    and gradient norms to the last digit, and its step-6 checkpoint holds the same tensors."""
+def _resumes_bit_identically(assets, straight_name: str, straight: dict, args: list) -> dict:
+    """``args`` resumed from ``straight_name``'s step-3 checkpoint logs ``straight``'s losses and gradient norms
+    at steps 4-6 to the last digit, and its step-6 checkpoint holds the same tensors. Returns the step-6
+    checkpoint's tensors by key."""
     import torch
     from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 
-    args = ACCO + MESHES["fsdp2"] + _global_batch("fsdp2")
-    straight = _train(assets, "straight", args)
-    shutil.copytree(assets / "straight" / "checkpoint" / "step-3", assets / "resumed" / "checkpoint" / "step-3")
-    resumed = _train(assets, "resumed", args, seeded=False)
+    resumed_name = f"{straight_name}-resumed"
+    shutil.copytree(assets / straight_name / "checkpoint" / "step-3", assets / resumed_name / "checkpoint" / "step-3")
+    resumed = _train(assets, resumed_name, args, seeded=False)
     assert sorted(resumed) == [4, 5, 6], resumed
     assert {s: straight[s] for s in resumed} == resumed, (straight, resumed)
-    a, b = (assets / n / "step6.pt" for n in ("straight", "resumed"))
-    for n, path in (("straight", a), ("resumed", b)):
-        dcp_to_torch_save(str(assets / n / "checkpoint" / "step-6"), str(path))
-    sa, sb = torch.load(a, weights_only=False), torch.load(b, weights_only=False)
-    flat_a, flat_b = _tensors(sa), _tensors(sb)
-    assert flat_a.keys() == flat_b.keys() and len(flat_a) > 10
-    differ = [k for k in flat_a if not torch.equal(flat_a[k], flat_b[k])]
+    flat = []
+    for n in (straight_name, resumed_name):
+        dcp_to_torch_save(str(assets / n / "checkpoint" / "step-6"), str(assets / n / "step6.pt"))
+        flat.append(_tensors(torch.load(assets / n / "step6.pt", weights_only=False)))
+    assert flat[0].keys() == flat[1].keys() and len(flat[0]) > 10
+    differ = [k for k in flat[0] if not torch.equal(flat[0][k], flat[1][k])]
     assert differ == [], differ[:5]
+    return flat[1]
+
+
+def test_a_stopped_run_resumes_bit_identically(assets, fsdp2_runs):
+    """torchtitan's checkpointer (DCP): a run resumed from its step-3 checkpoint logs the straight run's losses
+    and gradient norms to the last digit, and its step-6 checkpoint holds the same tensors."""
+    _resumes_bit_identically(assets, "acco", fsdp2_runs["acco"], ACCO + MESHES["fsdp2"] + _global_batch("fsdp2"))
+
+
+def test_compressed_rounds_across_replicas_train_alike_and_resume_bit_identically(assets, fsdp2_runs):
+    """``--acco.compression int8`` on 2 replicas x FSDP2 2 (the rounds across replicas in 8 bits, FSDP2's own
+    traffic as it is): within 1% of HSDP's loss after 6 steps, not the uncompressed run's (the quantizer is in
+    the path), and a run resumed from step 3 is bit-identical, each rank's error-feedback residual in the
+    checkpoint."""
+    args = ACCO + MESHES["fsdp2"] + _global_batch("fsdp2") + ["--acco.compression", "int8"]
+    int8 = _train(assets, "int8", args)
+    hsdp, acco = fsdp2_runs["hsdp"], fsdp2_runs["acco"]
+    print(f"int8: {int8}\nhsdp {hsdp}")  # shown with pytest -s
+    assert sorted(int8) == list(range(1, STEPS + 1)), int8
+    assert abs(int8[STEPS][0] - hsdp[STEPS][0]) <= 0.01 * hsdp[STEPS][0] and int8[STEPS][0] < int8[1][0] - 0.1, int8
+    assert int8[STEPS] != acco[STEPS], (int8, acco)
+    saved = _resumes_bit_identically(assets, "int8", int8, args)
+    residuals = [k for k in saved if ".residual." in k]
+    assert len(residuals) == 4 and all(saved[k].abs().sum() > 0 for k in residuals), sorted(saved)[:40]
 
 
 MOE_ACCO = ["--module", "acco.integrations.torchtitan", "--config", "deepseek_v3_debugmodel"]
@@ -251,3 +282,13 @@ def test_refused_at_start_with_the_reason(assets, args, words):
     cmd = _cmd(1, assets, "refused", ACCO + SMALL + args)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0 and words in proc.stdout + proc.stderr, (proc.stdout + proc.stderr)[-3000:]
+
+
+def test_compression_with_tensor_parallelism_inside_is_refused_at_start(assets):
+    """``--acco.compression int8`` on 2 replicas x TP 2: the parameters TP replicates would be rounded
+    differently on each rank of a replica, so every rank stops at start, naming them and the fix."""
+    cmd = _cmd(4, assets, "refused-tp-int8", ACCO + SMALL + MESHES["tp"] + _global_batch("tp") + [
+        "--acco.compression", "int8", "--training.steps", "1"])
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0 and "with tensor parallelism, drop compression" in out, out[-3000:]
