@@ -10,8 +10,9 @@ Each run is torchtitan's own entry point through ``tests/torchtitan_cpu.py`` (it
 ``llama3_debugmodel`` at ``--seq-len`` and ``--batch``, two micro-batches per update, fp32, no activation
 checkpointing, no checkpoints: ``hsdp`` is ``--module llama3 --config llama3_debugmodel_ce_loss`` (FSDP2 on the
 2-D replicate x shard mesh), ``acco`` is ``--module acco.integrations.torchtitan --config llama3_debugmodel``
-(the defaults: mode acco, a bf16 estimate). Both take the same loss (not chunked). The methods are interleaved in
-every repeat. A run's tokens/s is torchtitan's own ``tps`` (tokens per second per rank, each step's) averaged over
+(the defaults: mode acco, a bf16 estimate), ``acco-int8`` the same with ``--acco.compression int8`` (both rounds
+across replicas in 8 bits, docs/compression.md). All take the same loss (not chunked). The methods
+(``--methods``, default hsdp and acco) are interleaved in every repeat. A run's tokens/s is torchtitan's own ``tps`` (tokens per second per rank, each step's) averaged over
 the steps after ``--warmup``, times the 4 ranks.
 """
 
@@ -30,8 +31,10 @@ import _launch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 LAUNCH = ROOT / "tests" / "torchtitan_cpu.py"
+ACCO = ["--module", "acco.integrations.torchtitan", "--config", "llama3_debugmodel"]
 METHODS = {"hsdp": ["--module", "llama3", "--config", "llama3_debugmodel_ce_loss"],
-           "acco": ["--module", "acco.integrations.torchtitan", "--config", "llama3_debugmodel"]}
+           "acco": ACCO,
+           "acco-int8": ACCO + ["--acco.compression", "int8"]}  # the rounds across replicas in 8 bits
 
 
 def torchtitan_args(method: str, args, dump: Path) -> list:
@@ -84,7 +87,13 @@ def main() -> None:
     p.add_argument("--smoke", action="store_true", help="4 steps, one repeat, loopback")
     p.add_argument("--assets", type=Path, default=ROOT / "runs" / "torchtitan-assets")
     p.add_argument("--out", default=None, help="JSON lines, one per run (appended)")
+    p.add_argument("--methods", default="hsdp,acco", help=f"comma-separated, from {', '.join(METHODS)}")
     args = p.parse_args()
+    methods = args.methods.split(",")
+    unknown = [m for m in methods if m not in METHODS]
+    if unknown or "hsdp" not in methods:
+        p.error(f"--methods {args.methods}: {'unknown ' + ', '.join(unknown) if unknown else 'hsdp missing'} "
+                f"(each from {', '.join(METHODS)}, hsdp among them: every ratio is against it)")
     if not (args.assets / "tokenizer" / "tokenizer.json").exists():
         logs, failed = _launch.run_processes([[sys.executable, str(LAUNCH), "--assets", str(args.assets),
                                                "--make-assets"]])
@@ -96,13 +105,15 @@ def main() -> None:
         args.loopback, args.repeats = True, 1
     rows = []
     for rep in range(args.repeats):
-        for method in METHODS:  # interleaved
+        for method in methods:  # interleaved
             r = one_run(method, args, args.assets)
             r.update(repeat=rep, rate_mbit=None if args.loopback else args.rate_mbit, loopback=args.loopback,
                      seq_len=args.seq_len, batch=args.batch, steps=args.steps, warmup=args.warmup)
             rows.append(r)
             _launch.record_row(r, args.out)
-    _launch.print_speedup(rows, list(METHODS), "acco", "hsdp")
+    for k, new in enumerate(m for m in methods if m != "hsdp"):  # every method's tokens/s once, then each ratio
+        _launch.print_speedup(rows, methods if k == 0 else [], new, "hsdp")
+
 
 if __name__ == "__main__":
     main()

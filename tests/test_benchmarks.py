@@ -111,6 +111,15 @@ def test_torchtitan_speed_smoke(tmp_path):
     assert all(r["steps"] == 4 for r in rows) and "acco / hsdp tokens/s: median" in out, out
 
 
+@pytest.mark.parametrize("methods,words", [("acco", "hsdp missing"), ("hsdp,acco-fp4", "unknown acco-fp4")])
+def test_torchtitan_speed_refuses_methods_it_cannot_compare(methods, words):
+    """--methods names torchtitan_speed.py's methods, hsdp among them (every ratio is against it); anything else
+    stops before any run, saying what was received."""
+    proc = subprocess.run([sys.executable, str(BENCH / "torchtitan_speed.py"), "--methods", methods],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and words in proc.stderr and "hsdp, acco, acco-int8" in proc.stderr, proc.stderr
+
+
 def test_hetero_smoke(tmp_path):
     """Check hetero.py: the slowed rank contributes fewer micro-batches per round to acco-acc."""
     out = tmp_path / "hetero.jsonl"
