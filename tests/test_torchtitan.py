@@ -85,8 +85,8 @@ def fsdp2_runs(assets) -> dict:
     """torchtitan's HSDP, mode sync and mode acco on 2 replicas x FSDP2 2 from the seed, 6 steps (checkpoints at
     steps 3 and 6)."""
     mesh = MESHES["fsdp2"] + _global_batch("fsdp2")
-    return {"hsdp": _train(assets, "hsdp", HSDP + mesh), "sync": _train(assets, "sync", ACCO + mesh + ["--acco.mode",
-                                                                                                     "sync"]),
+    return {"hsdp": _train(assets, "hsdp", HSDP + mesh),
+            "sync": _train(assets, "sync", ACCO + mesh + ["--acco.mode", "sync"]),
             "acco": _train(assets, "acco", ACCO + mesh)}
 
 
