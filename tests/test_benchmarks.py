@@ -440,3 +440,23 @@ def test_composed_time_to_target_is_updates_times_time_per_update():
         assert t == pytest.approx(expect, abs=0.006), (name, rate, t, expect)
         if name == "DDP + AdamW":
             assert (u, t, c) == (1.0, 1.0, 1.0)
+
+
+def test_composed_time_to_target_takes_longer_branches_as_longer_bounds(tmp_path):
+    """A seed the study left beyond its longest run (PowerSGD past 1.5x) gets a longer branch's length as its
+    bound when that branch still ended above DDP's loss for that seed, and keeps the study's bound when it ended
+    below (its ratio is then somewhere between) or when the branch is another method's or seed's."""
+    import compose_time_to_target as compose
+
+    records = ROOT / "docs" / "convergence_data" / "time_to_target.jsonl"
+    study = compose.updates_ratios(records)["ddp-powersgd"]
+    assert study == [(1.5, True)] * 3, study  # the study's bound on every seed
+    branch = {"kind": "branch", "method": "ddp-powersgd", "lr": 0.004, "warmup": 100, "floor": 0.0}
+    rows = [dict(branch, seed=0, T=1250, final_val_loss=1.40),  # above DDP's 1.2891 at 500: beyond 2.5x
+            dict(branch, seed=0, T=1000, final_val_loss=1.45),  # a shorter one: the longer bound stands
+            dict(branch, seed=1, T=1250, final_val_loss=1.20),  # below DDP's 1.2934: the 1.5 bound stays
+            dict(branch, seed=2, T=1250, final_val_loss=1.40, lr=0.002)]  # another LR: not this line's
+    longer = tmp_path / "longer.jsonl"
+    longer.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    assert compose.updates_ratios(records, longer)["ddp-powersgd"] == [(2.5, True), (1.5, True), (1.5, True)]
+    assert compose.updates_ratios(records, tmp_path / "absent.jsonl")["ddp-powersgd"] == study
