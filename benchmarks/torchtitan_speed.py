@@ -11,9 +11,9 @@ Each run is torchtitan's own entry point through ``tests/torchtitan_cpu.py`` (it
 checkpointing, no checkpoints: ``hsdp`` is ``--module llama3 --config llama3_debugmodel_ce_loss`` (FSDP2 on the
 2-D replicate x shard mesh), ``acco`` is ``--module acco.integrations.torchtitan --config llama3_debugmodel``
 (the defaults: mode acco, a bf16 estimate), ``acco-int8`` the same with ``--acco.compression int8`` (both rounds
-across replicas in 8 bits, docs/compression.md). All take the same loss (not chunked). The methods
-(``--methods``, default hsdp and acco) are interleaved in every repeat. A run's tokens/s is torchtitan's own ``tps`` (tokens per second per rank, each step's) averaged over
-the steps after ``--warmup``, times the 4 ranks.
+across replicas in 8 bits, docs/compression.md). All take the same loss (not chunked). The methods (``--methods``,
+default hsdp and acco) are interleaved in every repeat. A run's tokens/s is torchtitan's own ``tps`` (tokens per
+second per rank, each step's) averaged over the steps after ``--warmup``, times the 4 ranks.
 """
 
 from __future__ import annotations
