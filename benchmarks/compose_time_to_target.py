@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import json
 import statistics
 import sys
 from pathlib import Path
@@ -50,14 +49,11 @@ def _study():
     return module
 
 
-def _longer(longer: Optional[Path]) -> dict:
-    """``(method, lr, warm-up, seed) -> [(T, final held-out loss)]`` of the fully decayed branches run beyond the
-    study's search (``examples/nanogpt/powersgd_long.py``'s records; none without the file)."""
+def _longer(records: list) -> dict:
+    """``(method, lr, warm-up, seed) -> [(T, final held-out loss)]`` of the fully decayed branches among
+    ``records`` (``examples/nanogpt/powersgd_long.py``'s: run beyond the study's search)."""
     out: dict = {}
-    if longer is None or not longer.exists():
-        return out
-    for line in longer.read_text().splitlines():
-        r = json.loads(line)
+    for r in records:
         if r.get("kind") == "branch" and r.get("floor") == 0.0:
             out.setdefault((r["method"], r["lr"], r["warmup"], r["seed"]), []).append((r["T"], r["final_val_loss"]))
     return out
@@ -68,8 +64,8 @@ def updates_ratios(records: Path, longer: Optional[Path] = None) -> dict:
     (4e-3), floor 0. A seed that had not reached DDP's loss by the longest run searched gives that length's ratio,
     as a lower bound, or, where a longer branch of that seed (``longer``) still ended above DDP's loss, that
     branch's length over 500."""
-    beyond = _longer(longer)
     study = _study()
+    beyond = _longer(study.load_records(longer) if longer is not None else [])  # none without the file
     args = study.parse(["--methods", ",".join(METHODS), "--warmups", "100", "--lengths", "500", "--floors", "0.0",
                         "--acco-lrs=", "--records", str(records), "--no-plots"])
     s = study.summarize(study.load_records(records), args)

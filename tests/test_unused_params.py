@@ -210,7 +210,8 @@ def _results(world: int):
                                         for w in (2, 3) for c in CONFIGS])
 def test_parameters_without_gradient_match_oracle(world, name):
     """Unused heads, a rarely used expert and a layer frozen mid-run: every step() against the oracle."""
-    compressed_weights = ("int8" in name or "fp8" in name) and "gradients-only" not in name
+    options = {c[0]: c[4] for c in CONFIGS}[name]
+    compressed_weights = "compression" in options and options.get("compression_weights", True)
     held = []  # the ranks that hold a piece of fc1.bias
     for rank, res in enumerate(_results(world)):
         r = res[name]
