@@ -209,7 +209,7 @@ def update_run(
     first updates run as in mode sync (acco and dpu). ``estimate_dtype``: each
     rank's sum of its first ``h`` gradients is cast to it and the ranks' sums
     are added in it, in rank order (a ring's order for 2 ranks), and the
-    estimate comes back cast to it. ``max_grad_norm``: each round's averaged gradient is clipped by its global
+    estimate comes back as the model's weights plus its change against them cast to it. ``max_grad_norm``: each round's averaged gradient is clipped by its global
     norm. ``estimate_microbatches``: ``h``, when not the first half. ``estimate_extrapolation``: ``c``, the
     estimate is ``theta + c * (Opt*(theta, g) - theta)`` (before the cast to ``estimate_dtype``).
     ``delay_correction``: ``c`` of mode dpu's error feedback, ``theta_{k+1} = theta_k - u_k - c (u_k - u_{k-1})``
@@ -307,8 +307,8 @@ def update_run(
                 model, pending = [x.clone() for x in pending], None
             estimate = _opt_star(opt, make_opt, theta, clipped([a * (m / (h * ranks)) for a in first], max_grad_norm),
                                  estimate_extrapolation, list(seen))
-            if estimate_dtype is not None:
-                estimate = [x.to(estimate_dtype).to(theta[0].dtype) for x in estimate]
+            if estimate_dtype is not None:  # the change against the weights every rank holds (theta_t), cast
+                estimate = [r + (x - r).to(estimate_dtype).to(theta[0].dtype) for x, r in zip(estimate, model)]
             accumulate(accum, m - h)
             model = arrived(estimate, model)  # step(): theta~_{t+1} into the model, the commit in flight
             _opt_step(opt, theta, clipped([a * (1.0 / ranks) for a in travelled(accum, True)], max_grad_norm),

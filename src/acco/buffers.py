@@ -30,7 +30,7 @@ from . import arrivals as _arrivals
 from .grads import GradBinding
 from .placement import Layout
 from .quantize import packed_size
-from .shard_buffers import Packed, ShardBuffers
+from .shard_buffers import Held, Packed, ShardBuffers
 from .stats import nbytes
 
 __all__ = ["FlatBuffers"]
@@ -96,6 +96,8 @@ class FlatBuffers:
                                     collectives, self.comm_low, low_slice)
         if precision.compression is not None:
             self.shard.packed = _packed(precision, layout, rank, self.params, self.comm_views, device)
+        if estimate_dtype is not None:  # the estimate's weights travel as the change against the model's
+            self.shard.held = _held(self.params, layout, rank)
 
     @property
     def master(self) -> torch.Tensor:
@@ -108,6 +110,8 @@ class FlatBuffers:
         packed = self.shard.packed
         if packed is not None:
             out += [packed.send, packed.recv, packed.residual, *packed.params]
+        elif self.shard.held is not None:  # the estimate's change is taken against the parameters
+            out += self.params
         return out
 
     # ------------------------------------------------------------ gradients
@@ -189,8 +193,13 @@ class FlatBuffers:
 
     def install(self, scheduler: Any, estimate: bool = False) -> None:
         """theta/theta~ swap: the round buffer's weights into the parameters (ordered after the round);
-        ``estimate``: an estimate round's, which came back in estimate_dtype if it is set."""
-        scheduler.install(self.params, self.comm_low_views if estimate and self.comm_low is not None else self.comm_views)
+        ``estimate``: an estimate round's. With estimate_dtype it came back as the change against the weights the
+        model holds (theta_t, installed at the estimate's own hand-off and not written since), added to them in
+        the compute dtype: the cast rounded the change, never the weights."""
+        if estimate and self.comm_low is not None:
+            scheduler.install(self.params, self.comm_low_views, add=True)
+        else:
+            scheduler.install(self.params, self.comm_views)
 
     @torch.no_grad()
     def swap_model_and_comm(self) -> None:
@@ -266,6 +275,19 @@ def _packed(precision: Any, layout: Any, rank: int, params: List[torch.Tensor], 
     return Packed(precision, rank, chunk, torch.zeros(n, dtype=torch.uint8, device=device),
                   torch.zeros(n, dtype=torch.uint8, device=device),
                   torch.zeros(layout.padded_numel, dtype=precision.accumulation_dtype, device=device), params, views)
+
+
+def _held(params: List[torch.Tensor], layout: Any, rank: int) -> Held:
+    """This rank's pieces of the parameters, and the ranges of its chunk they leave (padding)."""
+    pieces = [pc for pc in layout.pieces(rank) if pc.numel]
+    gaps, at = [], 0
+    for pc in sorted(pieces, key=lambda pc: pc.local_start):
+        if pc.local_start > at:
+            gaps.append((at, pc.local_start))
+        at = max(at, pc.local_end)
+    if at < layout.shard_size:
+        gaps.append((at, layout.shard_size))
+    return Held(params, pieces, gaps)
 
 
 def _master_slice(params: List[torch.Tensor], layout: Any, rank: int, master_dtype: torch.dtype,

@@ -43,7 +43,7 @@ import torch.distributed as dist
 from . import arrivals, functional
 from .errors import HyperParameterMismatchError, NonFiniteGradientError, RoundFailedError, RoundMismatchError
 from .collectives import all_gather_flat, all_reduce_sum, reduce_scatter_flat
-from .compressed import all_gather_packed, keep_residual, reduce_scatter_packed
+from .compressed import all_gather_packed, change_against_held, keep_residual, reduce_scatter_packed
 from .round_checks import (RoundReport, check_pairs_on_host, hyper_mismatch_message, mark_call, nonfinite_message,
                            round_mismatch_message)
 from .shard_buffers import ShardBuffers
@@ -423,8 +423,8 @@ def _publish(ctx: RoundContext, plan: _StepPlan, source: torch.Tensor, low: bool
     b, snapshot, stepped, group = ctx.buffers, ctx.snapshot, plan.stepped, ctx.group
     if b.packed is not None:  # compression: each owner's change against the weights every rank holds
         all_gather_packed(b.weights, source, b.packed, group, b.master.numel(), b.collectives)
-    elif low:  # the estimate travels in estimate_dtype: theta~ is only where the next half's gradients are taken
-        all_gather_flat(b.comm_low, b.low_slice.copy_(source), group, b.collectives)
+    elif low:  # the estimate travels in estimate_dtype, as the change against the weights every rank holds
+        all_gather_flat(b.comm_low, change_against_held(b.low_slice, source, b.held), group, b.collectives)
     else:
         all_gather_flat(b.weights, source, group, b.collectives)  # every rank's new slice -> full weights
     if snapshotted:

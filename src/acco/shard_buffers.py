@@ -4,11 +4,23 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Tuple
 
 import torch
 
-__all__ = ["Packed", "ShardBuffers"]
+__all__ = ["Held", "Packed", "ShardBuffers"]
+
+
+@dataclass
+class Held:
+    """The weights every rank holds during a round (the model's parameters: the previous round's result, the
+    same bits on every rank), as this rank's chunk sees them: its ``pieces`` (``placement.Piece``, those with
+    elements) of ``params``, and ``gaps``, the chunk's ranges outside every piece (padding). The bf16 estimate
+    sends its weights as the change against them (``compressed.change_against_held``)."""
+
+    params: List[torch.Tensor]
+    pieces: List[Any]
+    gaps: List[Tuple[int, int]]
 
 
 @dataclass
@@ -82,3 +94,4 @@ class ShardBuffers:
     host_empty: Any = None  # (shape, dtype) -> a host tensor the device writes without blocking (device checks)
     all_arrived: Optional[torch.Tensor] = None  # the row's arrival bits with every parameter's set (arrivals.pack)
     packed: Optional[Packed] = None  # compression: the gradients travel quantized (rounds.py, compressed.py)
+    held: Optional[Held] = None  # estimate_dtype: what the estimate's change is taken against
