@@ -7,9 +7,12 @@ A chunk of ``n`` elements is cut into blocks of ``block`` elements (the last one
 * ``fp8`` (e4m3): ``s = max|x| / 448``, ``q = float8_e4m3fn(x / s)`` (round to nearest even), back as
   ``float(q) * s``.
 
-A block of zeros has ``s = 1`` (it comes back as zeros). A block holding inf or NaN has a non-finite ``s``, so
-every element of it comes back non-finite: the owner's sum is non-finite and the round's skip (or raise)
-applies on every rank, as without compression.
+A block of zeros has ``s = 1`` (it comes back as zeros). A scale is never below ``TINY`` (2^-126, fp32's
+smallest normal number): ``max|x| / top`` of a block of denormal values, or of a residual that a block without
+gradients shrinks commit after commit, would underflow to 0 and make the block ``0/0``, a NaN that skips every
+later update; at ``TINY`` such a block rounds to the nearest multiple of the scale, and the error feedback keeps
+what it drops. A block holding inf or NaN has a non-finite ``s``, so every element of it comes back non-finite:
+the owner's sum is non-finite and the round's skip (or raise) applies on every rank, as without compression.
 
 The bytes of a chunk, end to end: the ``ceil(n / block)`` scales' bytes, then the ``n`` payload bytes, padded
 to a multiple of four (:func:`packed_size`), so one ``uint8`` buffer of chunks carries both in one message and
@@ -26,6 +29,7 @@ import torch
 __all__ = ["KINDS", "dequantize", "dequantize_add_", "packed_size", "quantize", "residual_of"]
 
 KINDS = {"int8": 127.0, "fp8": 448.0}  # the largest magnitude a payload byte holds
+TINY = torch.finfo(torch.float32).tiny  # the smallest scale: 2^-126, so x / s never divides by an underflowed 0
 
 
 def packed_size(n: int, block: int) -> int:
@@ -50,13 +54,14 @@ def _blocks(x: torch.Tensor, block: int) -> Tuple[torch.Tensor, torch.Tensor]:
 
 
 def _scales(x: torch.Tensor, block: int, top: float) -> torch.Tensor:
-    """One fp32 scale per block: ``max|x| / top``, ``1`` for a block of zeros, non-finite for a non-finite one."""
+    """One fp32 scale per block: ``max|x| / top`` but at least ``TINY``, ``1`` for a block of zeros, non-finite
+    for a non-finite one (``clamp`` keeps a NaN)."""
     body, tail = _blocks(x, block)
     peaks = body.abs().amax(dim=1)
     if tail.numel():
         peaks = torch.cat([peaks, tail.abs().amax().reshape(1)])
     peaks = peaks.float()
-    return torch.where(peaks == 0, torch.ones_like(peaks), peaks / top)
+    return torch.where(peaks == 0, torch.ones_like(peaks), (peaks / top).clamp_(min=TINY))
 
 
 def _split(packed: torch.Tensor, n: int, block: int) -> Tuple[torch.Tensor, torch.Tensor]:

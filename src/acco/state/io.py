@@ -226,6 +226,7 @@ def check_loadable(owners: StateOwners, sd: Dict[str, Any], restore_model: bool 
             except ValueError as exc:
                 raise ValueError(f"AccoOptimizer.load_state_dict(): {exc}. Nothing was loaded.") from None
         require_boundary(owners, "load_state_dict")
+        state_residual.check(owners, sd)
         if kind == "rank_shard" and not restore_model:
             check_model_matches(owners, saved, sd["counters"])
     except Exception as exc:  # whatever it is, every rank must hear of it before the load's collectives

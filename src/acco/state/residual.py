@@ -6,7 +6,10 @@ form (``acco.checkpoint``), each rank writing and reading its own key. A resumed
 bit-identically. On another number of ranks (resharding ``N -> M``) the ranks' chunks change owners, and no
 rank's residual is another's: every rank starts from a zero residual (the few updates' worth of dropped bits
 are lost, as after a fresh start) and the load says so in the log. A run without compression ignores saved
-residuals; a compressed run given none starts from zero. Local: no collective.
+residuals; a compressed run given none starts from zero. What is refused, before anything changes: a residual
+of another size than this run's, or holding inf/NaN (every later update would be skipped), and a DCP
+checkpoint that lacks some of the residuals it was written with (its checksums list them all). Local: no
+collective.
 """
 
 from __future__ import annotations
@@ -16,7 +19,9 @@ from typing import Any, Dict
 
 import torch
 
-__all__ = ["SECTION", "entries", "restore", "target"]
+from ..errors import CheckpointError
+
+__all__ = ["SECTION", "check", "entries", "restore", "target"]
 
 SECTION = "residual"
 log = logging.getLogger("acco")
@@ -35,17 +40,54 @@ def entries(owners: Any, sharded: bool) -> Dict[str, Any]:
     return {SECTION: {f"r{owners.rank}": mine} if sharded else mine}
 
 
+def _ranks(keys, head: str) -> set:
+    return {k[len(head):] for k in keys if k.startswith(head)}
+
+
 def target(owners: Any, meta: Dict[str, Any], pre: str) -> Dict[str, Any]:
-    """What a DCP load reads of the residuals: this rank's, where the checkpoint was saved on as many ranks."""
+    """What a DCP load reads of the residuals: this rank's, where the checkpoint was saved on as many ranks.
+    Raises :class:`CheckpointError` (on every rank alike: the metadata is the same) where some of the residuals
+    the checkpoint's checksums list, one per rank that saved it, are not in it."""
     packed = _packed(owners)
-    saved = [k for k in meta if k.startswith(f"{pre}{SECTION}.r")]
+    saved = _ranks(meta, f"{pre}{SECTION}.r")
+    listed = _ranks(meta, f"checksums.{pre.replace('.', '/')}{SECTION}/r")
+    if listed and saved != listed:
+        missing = sorted(int(r) for r in listed - saved)
+        raise CheckpointError(
+            f"acco.checkpoint.load(): the checkpoint lists the error-feedback residuals of ranks "
+            f"{sorted(int(r) for r in listed)}, but those of rank(s) {missing} are not in it: it is damaged. "
+            "Nothing was loaded; use another checkpoint (acco.checkpoint.latest(folder) picks the newest complete one)")
     if packed is None or not saved:
         return {}
-    if len(saved) != owners.world_size or f"{pre}{SECTION}.r{owners.rank}" not in meta:
+    if len(saved) != owners.world_size or str(owners.rank) not in saved:
         log.info("acco: the checkpoint's error-feedback residuals were written by %d ranks, this run has %d: "
                  "every rank starts from a zero residual", len(saved), owners.world_size)
         return {}
     return {SECTION: {f"r{owners.rank}": torch.empty_like(packed.residual)}}
+
+
+def _mine(owners: Any, sd: Dict[str, Any]) -> Any:
+    value = sd.get(SECTION)
+    return value.get(f"r{owners.rank}") if isinstance(value, dict) else value
+
+
+def check(owners: Any, sd: Dict[str, Any]) -> None:
+    """Refuse a saved residual this rank would take that is not one of this run's: another size, or holding
+    inf/NaN (a skipped update keeps the residual, so every later update would be skipped). Local."""
+    packed, value = _packed(owners), _mine(owners, sd)
+    if packed is None or value is None:
+        return
+    where = f"AccoOptimizer.load_state_dict() on rank {owners.rank}"
+    if not torch.is_tensor(value) or value.shape != packed.residual.shape:
+        got = tuple(value.shape) if torch.is_tensor(value) else type(value).__name__
+        raise CheckpointError(
+            f"{where}: the saved error-feedback residual has shape {got}, this run's has "
+            f"{tuple(packed.residual.shape)}: it is not this model's on these ranks (edited, or saved with another "
+            "model). Nothing was loaded; use the checkpoint this run wrote")
+    if not bool(torch.isfinite(value).all()):
+        raise CheckpointError(
+            f"{where}: the saved error-feedback residual holds inf or NaN: every update after the load would be "
+            "skipped as non-finite. Nothing was loaded; use an earlier checkpoint")
 
 
 def restore(owners: Any, sd: Dict[str, Any]) -> None:
@@ -53,10 +95,8 @@ def restore(owners: Any, sd: Dict[str, Any]) -> None:
     packed = _packed(owners)
     if packed is None:
         return
-    value = sd.get(SECTION)
-    if isinstance(value, dict):
-        value = value.get(f"r{owners.rank}")
-    if value is None or value.shape != packed.residual.shape:
+    value = _mine(owners, sd)
+    if value is None:  # none saved for this rank (without compression, or on other ranks): from zero
         packed.residual.zero_()
         return
     packed.residual.copy_(value.to(packed.residual.device, packed.residual.dtype))

@@ -1,0 +1,118 @@
+"""A compressed run's saved error-feedback residuals are taken only when they are this run's (issue 78, items 3
+and 4): a DCP checkpoint that lacks one rank's residual, and a residual of another size or holding NaN, are
+refused on every rank before anything changes. Before, each loaded with that rank's residual zeroed (or, with a
+NaN, every later update skipped), and without a word but a log line."""
+
+from __future__ import annotations
+
+import pickle
+
+import pytest
+import torch
+
+from _dist import run_ranks
+
+from acco import AccoOptimizer, CheckpointError
+from acco.state.checksums import checksums
+from acco.state.format import encode_meta
+
+KW = dict(microbatches_per_update=2, compression="int8", compression_block=16, lr=1e-2)
+
+
+def _model() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.Tanh(), torch.nn.Linear(8, 3))
+
+
+def _train(model, opt, rank: int, updates: int) -> None:
+    for t in range(updates):
+        for j in range(2):
+            g = torch.Generator().manual_seed(100 * rank + 10 * t + j)
+            (model(torch.randn(5, 6, generator=g)).pow(2).mean() / 2).backward()
+        opt.step()
+        opt.zero_grad()
+
+
+def _weights(model) -> torch.Tensor:
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()]).clone()
+
+
+def _drop_from_metadata(path: str, key: str) -> None:
+    """The checkpoint as if ``key``'s entry had never been written (its checksum stays listed)."""
+    meta_path = f"{path}/.metadata"
+    with open(meta_path, "rb") as f:
+        meta = pickle.load(f)
+    del meta.state_dict_metadata[key]
+    meta.storage_data = {k: v for k, v in meta.storage_data.items() if k.fqn != key}
+    with open(meta_path, "wb") as f:
+        pickle.dump(meta, f)
+
+
+def _missing_worker(rank: int, world: int, folder: str) -> dict:
+    import acco.checkpoint
+
+    model = _model()
+    opt = AccoOptimizer(model.parameters(), **KW)
+    _train(model, opt, rank, 3)
+    acco.checkpoint.save(f"{folder}/ck", opt, model=model)
+    opt.finish()
+    torch.distributed.barrier()
+    if rank == 0:
+        _drop_from_metadata(f"{folder}/ck", "optim.residual.r1")
+    torch.distributed.barrier()
+    model = _model()
+    opt = AccoOptimizer(model.parameters(), **KW)
+    _train(model, opt, rank, 1)
+    before = _weights(model)
+    try:
+        acco.checkpoint.load(f"{folder}/ck", opt, model=model)
+    except CheckpointError as exc:
+        error = str(exc)
+    else:
+        error = None
+    unchanged = torch.equal(before, _weights(model)) and opt.num_updates == 1
+    _train(model, opt, rank, 1)  # the optimizer goes on as it was: the refusal left every rank in step
+    opt.finish()
+    return {"error": error, "unchanged": unchanged}
+
+
+def test_a_checkpoint_missing_one_ranks_residual_is_refused_on_every_rank(tmp_path):
+    for r in run_ranks(_missing_worker, 2, str(tmp_path), timeout=300):
+        assert r["error"] is not None and "those of rank(s) [1] are not in it" in r["error"], r
+        assert "Nothing was loaded" in r["error"] and r["unchanged"], r
+
+
+def _edited_worker(rank: int, world: int, how: str) -> dict:
+    model = _model()
+    opt = AccoOptimizer(model.parameters(), **KW)
+    _train(model, opt, rank, 3)
+    sd = dict(opt.state_dict())
+    residual = sd["residual"]
+    if how == "nan":
+        residual = residual.clone()
+        residual[3] = float("nan")
+    else:
+        residual = residual[:-1].clone()
+    sd["residual"] = residual
+    body = {k: v for k, v in sd.items() if k not in ("acco", "checksums")}
+    sd["checksums"] = checksums({"optim": body, "meta": encode_meta(sd["acco"])})  # a deliberate edit
+    before = _weights(model)
+    try:
+        opt.load_state_dict(sd)
+    except CheckpointError as exc:
+        error = str(exc)
+    else:
+        error = None
+    unchanged = torch.equal(before, _weights(model))
+    _train(model, opt, rank, 1)
+    opt.finish()
+    return {"error": error, "unchanged": unchanged, "skipped": opt.num_skipped_updates}
+
+
+@pytest.mark.parametrize("how,words", [("nan", "holds inf or NaN"), ("shape", "has shape")])
+def test_an_edited_residual_is_refused_on_every_rank(how, words):
+    """A residual re-checksummed after an edit: a NaN inside (every later update would skip) or another size
+    (it was set to zero) is refused, each rank naming it, and training goes on unchanged."""
+    for r in run_ranks(_edited_worker, 2, how, timeout=300):
+        assert r["error"] is not None and words in r["error"] and "Nothing was loaded" in r["error"], r
+        assert r["unchanged"] and r["skipped"] == 0, r
