@@ -10,11 +10,12 @@ failure that ends training. It does not decide *when* a round is handed off
 
 from __future__ import annotations
 
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import replace
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
+from torch.utils.hooks import RemovableHandle
 
 from .agreement import COLLECTIVE_CALLS, hyper_fingerprint, waiting_failed
 from .buffers import FlatBuffers
@@ -58,6 +59,7 @@ class RoundDriver:
         self._unread: "deque[Tuple[int, Any, RoundResult]]" = deque()
         # and delay_correction's copy of the slice: allocated on the default stream, written by the side stream
         self._round_tensors = flat.round_tensors() + [t for t in (ctx.delay_scratch,) if t is not None]
+        self.commit_hooks: "OrderedDict[int, Callable[[], None]]" = OrderedDict()  # register_commit_hook
 
     def check_not_failed(self) -> None:
         if self.failed is not None:
@@ -167,14 +169,25 @@ class RoundDriver:
             self.failed = exc
             raise waiting_failed(COLLECTIVE_CALLS[call_index], exc) from exc
 
+    def add_commit_hook(self, hook: Callable[[], None]) -> RemovableHandle:
+        """``hook()`` after each committed update's weights went into the model (``register_commit_hook``)."""
+        handle = RemovableHandle(self.commit_hooks)
+        self.commit_hooks[handle.id] = hook
+        return handle
+
     def install_pending(self, commits_only: bool = False) -> None:
-        """theta/theta~ swap: put the collected round's weights into the model."""
+        """theta/theta~ swap: put the collected round's weights into the model; after a commit's, the commit
+        hooks run with the model holding them (on the compute side, ordered after the install)."""
         p = self.progress
         installed = None
         if p.pending is not None and (not commits_only or p.pending is RoundKind.COMMIT):
             self.flat.install(self.scheduler, estimate=p.pending is RoundKind.ESTIMATE)
             installed = p.pending
         p.installed(installed)
+        if installed is RoundKind.COMMIT:
+            with torch.no_grad():
+                for hook in list(self.commit_hooks.values()):
+                    hook()
 
     def read_reports(self, upto: Optional[int] = None) -> None:
         """CUDA path: read the reports of the rounds numbered up to ``upto`` (``None``: all, after the host has

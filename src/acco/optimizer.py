@@ -282,6 +282,15 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         with self._runtime.committed_weights():
             yield
 
+    def register_commit_hook(self, hook: Callable[["AccoOptimizer"], None]) -> Any:
+        """Call ``hook(optimizer)`` each time a committed update's weights ``theta`` go into the model, with the
+        model holding them: the place for an EMA of the model (``AveragedModel.update_parameters(model)``),
+        which after ``step()`` would average the estimate ``theta~`` (mode acco) or stale weights (mode dpu).
+        In mode sync it runs inside ``step()``; in modes acco and dpu when the commit lands, at a later
+        hand-off (one update behind ``step()``), and the last one at ``finish()``. Runs under ``no_grad``,
+        on the compute side. Returns a handle whose ``remove()`` unregisters it. Local."""
+        return self._runtime.driver.add_commit_hook(lambda: hook(self))
+
     def take_model_weights(self) -> None:
         """Start from the model's weights as they are now: call it after writing them into the model once this
         optimizer is built and before its first ``step()`` (a model-only load: ``load_state_dict``, a pretrained
