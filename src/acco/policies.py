@@ -128,7 +128,8 @@ class RobustnessPolicy:
         "Clipping `.grad` yourself raises: here `.grad` holds the local gradient."))
     nonfinite: str = option("skip", '`"skip"`', (
         "An update whose averaged gradient holds inf/NaN is skipped on every rank (counted in "
-        '`num_skipped_updates`), or `"raise"`s `acco.NonFiniteGradientError`.'))
+        '`num_skipped_updates`), or `"raise"`s `acco.NonFiniteGradientError`. A finite one is stepped whatever '
+        "its size (its norm is summed in fp64), as `torch.optim` steps it."))
     timeout: Optional[datetime.timedelta] = option(None, "the group's default", (
         "How long a round's collectives wait for a peer before raising. It also bounds the first exchange of "
         "`finish()`, `load_state_dict()` and `acco.checkpoint.save/load/gather`, so a call made on only some "
@@ -293,7 +294,8 @@ class PrecisionPolicy:
         "a bf16 model is the paper's bytes ([benchmarks](benchmarks.md)). It must be at least as wide as the "
         "compute dtype and at most as wide as the accumulation dtype; fp16 is refused."))
     estimate_dtype: Union[torch.dtype, str, None] = option("auto", '`"auto"`', (
-        "Mode `acco`: the estimate round travels in this dtype, and the commit stays exact. `\"auto\"` is "
+        "Mode `acco`: the estimate round travels in this dtype, its weights as the change against the weights "
+        "every rank holds (the dtype rounds the change, never a weight), and the commit stays exact. `\"auto\"` is "
         "`torch.bfloat16` for an fp32 model whose gradients travel in fp32 between more than one rank, else "
         "`None` (a bf16 model's weights already travel in bf16; with its default fp32 reduce it can opt in). "
         "`None`: the paper's exact estimate. The resolved dtype is `opt.estimate_dtype`. An explicit dtype is "
