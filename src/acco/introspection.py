@@ -120,17 +120,18 @@ class Introspection:
         too) are this rank's 1/N slice; with ``compression``, ``residual`` (the
         error feedback, full size, accumulation dtype) and ``compressed`` (the
         packed chunks out and in, about one byte per element each). ``round_temporaries``:
-        the most the library's estimate allocates at once during a round (on
-        CUDA on the side stream, held until the stream has run it): a bound, 0
-        without a functional estimate; the wrapped optimizer's own step adds
-        its temporaries (none for fused AdamW). Local: no collective.
+        the most the library allocates at once during a round (on CUDA on the
+        side stream, held until the stream has run it): a bound, the larger of
+        the estimate's lists and the norm's fp64 slab; the wrapped optimizer's
+        own step adds its temporaries (none for fused AdamW). Local: no collective.
         """
         self._runtime.driver.collect()  # the round fills the state and the scratch: read them after it
         state = self._runtime.wrapped.state_values()
         snapshot = self._runtime.driver.ctx.snapshot
         master = self._runtime.flat.shard.master
         temporaries = max([functional.temporaries_bound(part.optimizer, master) for part in self._runtime.wrapped.parts
-                           if self.options.estimates and functional.supports(part.optimizer)] or [0])
+                           if self.options.estimates and functional.supports(part.optimizer)]
+                          + [functional.norm_temporaries_bound(master)])  # every round's norm, at another phase
         scratch = [] if snapshot is None else snapshot.tensors()
         if self._runtime.driver.ctx.delay_scratch is not None:
             scratch.append(self._runtime.driver.ctx.delay_scratch)

@@ -41,6 +41,7 @@ import torch
 import torch.distributed as dist
 
 from . import arrivals, functional
+from .functional import NORM_SLAB, sum_of_squares
 from .errors import HyperParameterMismatchError, NonFiniteGradientError, RoundFailedError, RoundMismatchError
 from .collectives import all_gather_flat, all_reduce_sum, reduce_scatter_flat
 from .compressed import all_gather_packed, change_against_held, keep_residual, reduce_scatter_packed
@@ -149,21 +150,6 @@ def global_grad_norm(grad_shard: torch.Tensor, group: Optional[dist.ProcessGroup
     if model_group is not None:
         all_reduce_sum(sq, model_group)  # and over the model's other shards (tensor parallel / FSDP2 ranks)
     return sq.sqrt()[0]
-
-
-NORM_SLAB = 1 << 20  # elements sum_of_squares casts to fp64 at a time (8 MiB)
-
-
-def sum_of_squares(x: torch.Tensor) -> torch.Tensor:
-    """Σ x² of a 1-D slice, in fp64 slab by slab (no full-size temporary): finite for every finite ``x``, so only
-    inf/NaN skips a round. In fp32 a square overflows from |x| ≈ 1.8e19 and a row's sum sooner (finite gradients
-    of 1e20 were skipped as non-finite), and one fp32 reduction over a CPU slice of 2^24 elements is 7e-4 off
-    (test_pure.py)."""
-    sq = torch.zeros((), dtype=torch.float64, device=x.device)
-    for a in range(0, x.numel(), NORM_SLAB):
-        slab = x[a:a + NORM_SLAB].double()
-        sq = sq + torch.dot(slab, slab)
-    return sq
 
 
 def clip_coefficient(norm: torch.Tensor, max_norm: float) -> torch.Tensor:
