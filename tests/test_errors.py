@@ -493,3 +493,22 @@ def test_every_public_exception_lives_in_acco_errors_and_disagreements_are_runti
     for cls in (acco.RoundMismatchError, acco.HyperParameterMismatchError, acco.ShardOfAnotherRankError,
                 acco.RanksDisagreeError, acco.RoundFailedError):
         assert issubclass(cls, RuntimeError), cls
+
+
+def _steps_apart_worker(rank: int, world: int) -> str:
+    from acco import agreement
+
+    try:
+        agreement.all_gather_row(torch.distributed.group.WORLD, [1] * (rank + 1), torch.device("cpu"),
+                                 "load_state_dict() / acco.checkpoint.load()")
+    except RuntimeError as exc:
+        return str(exc)
+    return ""
+
+
+def test_ranks_at_different_steps_of_one_call_are_told_so():
+    """Two ranks in the same call at different exchanges of it (one left an earlier call part-way): the message
+    names the one call, instead of "different collective calls (rank 0 in X, rank 1 in X)"."""
+    for msg in run_ranks(_steps_apart_worker, 2):
+        assert "the ranks are at different steps of load_state_dict() / acco.checkpoint.load()" in msg, msg
+        assert "different collective calls" not in msg, msg

@@ -116,3 +116,52 @@ def test_an_edited_residual_is_refused_on_every_rank(how, words):
     for r in run_ranks(_edited_worker, 2, how, timeout=300):
         assert r["error"] is not None and words in r["error"] and "Nothing was loaded" in r["error"], r
         assert r["unchanged"] and r["skipped"] == 0, r
+
+
+def _one_rank_reads_damage_worker(rank: int, world: int, folder: str) -> dict:
+    """Rank 1's master piece damaged in the newer checkpoint: only rank 1 reads it."""
+    import glob
+
+    import acco.checkpoint
+
+    model = _model()
+    opt = AccoOptimizer(model.parameters(), **KW)
+    _train(model, opt, rank, 2)
+    acco.checkpoint.save(f"{folder}/good", opt, model=model)
+    _train(model, opt, rank, 1)
+    acco.checkpoint.save(f"{folder}/damaged", opt, model=model)
+    needle = opt.runtime.flat.master[:4].numpy().tobytes()  # this rank's master slice (its first piece), as stored
+    opt.finish()
+    torch.distributed.barrier()
+    if rank == 1:
+        for name in glob.glob(f"{folder}/damaged/*.distcp"):
+            data = bytearray(open(name, "rb").read())
+            at = bytes(data).find(needle)
+            if at >= 0:
+                data[at + 5] ^= 0x40
+                open(name, "wb").write(data)
+                break
+        else:
+            raise AssertionError("rank 1's master slice must be found for the test to mean anything")
+    torch.distributed.barrier()
+    model = _model()
+    opt = AccoOptimizer(model.parameters(), **KW)
+    try:
+        acco.checkpoint.load(f"{folder}/damaged", opt, model=model)
+        error = None
+    except CheckpointError as exc:  # what a script does: on every rank, fall back to the previous checkpoint
+        error = str(exc)
+        acco.checkpoint.load(f"{folder}/good", opt, model=model)
+    _train(model, opt, rank, 1)
+    opt.finish()
+    return {"error": error, "updates": opt.num_updates}
+
+
+def test_damage_one_rank_reads_is_refused_on_every_rank_and_an_earlier_checkpoint_loads(tmp_path):
+    """A damaged entry that only rank 1 reads: every rank raises CheckpointError before anything changes (only
+    rank 1 did, and the other rank's fallback load then met it in another call), and every rank's fallback to
+    the previous checkpoint loads."""
+    r0, r1 = run_ranks(_one_rank_reads_damage_worker, 2, str(tmp_path), timeout=300)
+    assert r1["error"] is not None and "does not match its checksum" in r1["error"], r1
+    assert r0["error"] is not None and "rank(s) [1] read entries that do not match their checksums" in r0["error"], r0
+    assert r0["updates"] == r1["updates"] == 3, (r0, r1)

@@ -1,5 +1,5 @@
 #!/bin/sh
-# Pause or resume the long studies of this folder (study.py, time_to_target.py) while tests or a timing
+# Pause or resume the long studies of this folder (study.py, time_to_target.py, regimes.py) while tests or a timing
 # benchmark run:  sh examples/nanogpt/pause.sh stop | cont
 # Signals each study process and every descendant: torchrun starts each rank in a session of its own, so
 # signalling the study's process group alone leaves the ranks running. Keep a pause well under the ranks'
@@ -9,7 +9,7 @@
 set -u
 case "${1:-}" in stop) sig=STOP ;; cont) sig=CONT ;; *) echo "usage: $0 stop|cont" >&2; exit 2 ;; esac
 tree() {  # the studies' python processes and all their descendants
-  frontier=$(pgrep -f 'python.*examples/nanogpt/(study|time_to_target)\.py' || true)
+  frontier=$(pgrep -f 'python.*examples/nanogpt/(study|time_to_target|regimes)\.py' || true)
   out=""
   while [ -n "$frontier" ]; do
     out="$out $frontier"; next=""

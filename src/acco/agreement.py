@@ -106,6 +106,12 @@ def all_gather_row(group: dist.ProcessGroup, row: List[int], device: torch.devic
     header = torch.tensor([COLLECTIVE_CALLS.index(call), len(row)], dtype=torch.int64, device=device)
     headers = [h.tolist() for h in _gather(group, header, call)]
     if len({tuple(h) for h in headers}) > 1:
+        if len({h[0] for h in headers}) == 1:  # one call, at different steps of it (rows of other lengths)
+            raise RuntimeError(
+                f"AccoOptimizer: the ranks are at different steps of {call} (one of them left an earlier call "
+                "part-way, by an exception caught on that rank alone, and made the call again). Every rank must "
+                "leave a collective call the same way, at the same point of the loop."
+            )
         where = ", ".join(f"rank {r} in {COLLECTIVE_CALLS[h[0]]}" for r, h in enumerate(headers))
         raise RuntimeError(
             f"AccoOptimizer: the ranks are in different collective calls ({where}). Construction, step(), "
