@@ -42,7 +42,7 @@ from .scheduler import StreamScheduler
 from .session import Session
 from .state import consolidated as state_consolidated
 from .state import io as state_io
-from .state.format import FORMAT_VERSION, IMPLEMENTATION_FLAGS, StateOwners
+from .state.format import FORMAT_VERSION, IMPLEMENTATION_FLAGS, StateOwners, describe_weights
 from .wrapped import WrappedOptimizers, class_name, placement_cost, placement_of
 
 __all__ = ["Groups", "Runtime"]
@@ -252,7 +252,8 @@ class Runtime:
         classes = list(dict.fromkeys(self.classes))
         out = {"format": FORMAT_VERSION, "mode": self.options.mode.value,
                "optimizer": "+".join(class_name(c) for c in classes), "layout": self.layout.describe(),
-               "dtypes": f"compute {self.options.precision.compute_dtype}, master {self.flat.master.dtype}"}
+               "dtypes": f"compute {self.options.precision.compute_dtype}, master {self.flat.master.dtype}",
+               "weights": describe_weights(self.options.precision)}  # how its committed weights travelled
         if self.shards.any:  # the placements and this rank's model shard: another shard's state is refused
             out["mesh"] = f"{self.shards.describe()} as {self.shards.shard_name()}"
         return out

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -39,7 +39,7 @@ from ..errors import ShardOfAnotherRankError
 
 __all__ = ["AccoStateDict", "FORMAT_VERSION", "PER_RANK_SECTIONS", "PIECE_SECTIONS", "empty_sections", "GATHERED", "ShardOfAnotherRankError", "SHARD_FIX", "IMPLEMENTATION_FLAGS", "StateOwners", "check_compatible", "classify",
            "decode_meta", "encode_meta", "hyper_entries", "own_entry", "piece_key", "parse_piece_key",
-           "restore_hyper"]
+           "restore_hyper", "describe_weights", "weights_codec"]
 
 FORMAT_VERSION = 3
 # The per-piece sections of a state dict (format 3), in this order wherever they are written or read.
@@ -130,6 +130,24 @@ def parse_piece_key(key: str) -> tuple:
 
 
 # ------------------------------------------------------------------ description
+
+
+def describe_weights(policy: Any) -> str:
+    """How a round's weights travel, for a state's description (``"weights"``): ``"exact"``, or
+    ``"KIND block B"`` with compressed weights. The committed weights a checkpoint holds are rebuilt at a load
+    the way they travelled, whatever the loading optimizer's own settings (``compression`` may change)."""
+    if policy.compression is None or not policy.compression_weights:
+        return "exact"
+    return f"{policy.compression} block {policy.compression_block}"
+
+
+def weights_codec(text: Optional[str]) -> Optional[Tuple[str, int]]:
+    """``(kind, block)`` of :func:`describe_weights`'s text, None for ``"exact"``."""
+    if text is None or text == "exact":
+        return None
+    kind, _, block = text.split()
+    return kind, int(block)
+
 
 
 def encode_meta(meta: Dict[str, Any]) -> Dict[str, torch.Tensor]:

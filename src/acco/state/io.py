@@ -29,6 +29,7 @@ from .format import (
     hyper_entries,
     own_entry,
     restore_hyper,
+    weights_codec,
 )
 from .pieces import Saved, entries, restore
 
@@ -117,14 +118,14 @@ def _saved(owners: StateOwners, sd: Dict[str, Any], info: Dict[str, Any]) -> Sav
     return Saved(sd)
 
 
-def check_model_matches(owners: StateOwners, saved: Saved, counters: torch.Tensor) -> None:
+def check_model_matches(owners: StateOwners, saved: Saved, counters: torch.Tensor, info: Dict[str, Any]) -> None:
     """Refuse a model that is not the one this optimizer state was saved with (a model and an optimizer from
     different checkpoints). Free to check: the model was saved with the committed weights, which are the fp32
     master's (in bf16 its rounding), or with the weights for the next micro-batch (``params``). Local."""
     swapped = owners.session.view_swapped
     pieces = owners.layout.pieces(owners.rank)
     diff, ok = 0.0, True
-    rebuilt = _committed_reconstruction(owners, saved, pieces)
+    rebuilt = _committed_reconstruction(owners, saved, pieces, _saved_codec(owners, info))
     for i, _ in owners.wrapped.held():
         pc = pieces[i]
         key = (i, pc.param_start)
@@ -153,13 +154,22 @@ def check_model_matches(owners: StateOwners, saved: Saved, counters: torch.Tenso
     )
 
 
-def _committed_reconstruction(owners: StateOwners, saved: Saved, pieces) -> Optional[torch.Tensor]:
-    """With compressed weights (``compression_weights``), this rank's chunk of the committed weights the model
-    held at the save when a commit had been collected: not the fp32 master but what the commit's all-gather
-    rebuilt from it, the saved model weights plus the dequantized change (``compressed.reconstructed``; the
-    load's all-gather rebuilds the same). None without them, or for a state saved on another layout. Local."""
+def _saved_codec(owners: StateOwners, info: Dict[str, Any]) -> Optional[tuple]:
+    """``(kind, block)`` the saved run's committed weights travelled in (``describe_weights``), None if exactly.
+    A state written before its description said (``"weights"`` absent): this optimizer's own settings."""
+    if "weights" in info:
+        return weights_codec(info["weights"])
     packed = owners.flat.shard.packed
-    if packed is None or not packed.policy.compression_weights:
+    return (packed.kind, packed.block) if packed is not None and packed.policy.compression_weights else None
+
+
+def _committed_reconstruction(owners: StateOwners, saved: Saved, pieces, codec: Optional[tuple]) -> Optional[torch.Tensor]:
+    """With compressed weights (``codec``: the saved run's kind and block), this rank's chunk of the committed
+    weights the model held at the save when a commit had been collected: not the fp32 master but what the
+    commit's all-gather rebuilt from it, the saved model weights plus the dequantized change
+    (``compressed.reconstructed``; the load rebuilds the same). None without them, or for a state saved on
+    another layout. Local."""
+    if codec is None:
         return None
     flat = owners.flat
     master = torch.zeros(owners.layout.shard_size, dtype=flat.compute_dtype, device=flat.master.device)
@@ -173,7 +183,7 @@ def _committed_reconstruction(owners: StateOwners, saved: Saved, pieces) -> Opti
         reference[pc.local_start:pc.local_end].copy_(saved.params[key].reshape(-1))
     from ..compressed import reconstructed  # noqa: PLC0415 (the round's arithmetic, here for one chunk)
 
-    return reconstructed(reference, master, packed.kind, packed.block)
+    return reconstructed(reference, master, *codec)
 
 
 def check_loadable(owners: StateOwners, sd: Dict[str, Any], restore_model: bool = True,
@@ -228,7 +238,7 @@ def check_loadable(owners: StateOwners, sd: Dict[str, Any], restore_model: bool 
         require_boundary(owners, "load_state_dict")
         state_residual.check(owners, sd)
         if kind == "rank_shard" and not restore_model:
-            check_model_matches(owners, saved, sd["counters"])
+            check_model_matches(owners, saved, sd["counters"], info)
     except Exception as exc:  # whatever it is, every rank must hear of it before the load's collectives
         error = exc
     _agree(owners, error, file_rank)
@@ -248,15 +258,18 @@ def load_state_dict(owners: StateOwners, sd: Dict[str, Any], checked: bool = Fal
     flat = owners.flat
     if owners.progress.load_tensor(sd["counters"]):  # a commit collected at save time: in at the next hand-off
         from ..collectives import all_gather_flat
-        from ..compressed import all_gather_packed
+        from ..compressed import reconstructed
 
-        group = owners.session.collective_group()
+        codec = _saved_codec(owners, info)  # as the saved run's round sent it, whatever this optimizer's settings
         with torch.no_grad():
-            if flat.shard.packed is not None:  # as the round sent it: against the model's weights, just restored
-                all_gather_packed(flat.comm_weights, flat.master.to(flat.compute_dtype), flat.shard.packed, group,
-                                  flat.master.numel(), flat.shard.collectives)
-            else:
-                all_gather_flat(flat.comm_weights, flat.master.to(flat.compute_dtype), group)
+            chunk = flat.master.to(flat.compute_dtype)
+            if codec is not None:  # each owner's change against the model's weights, just restored
+                held = torch.zeros_like(chunk)
+                for i, pc in enumerate(owners.layout.pieces(owners.rank)):
+                    if pc.numel:
+                        held[pc.local_start:pc.local_end].copy_(flat.model_piece(i, pc, swapped=False))
+                chunk = reconstructed(held, chunk, *codec)
+            all_gather_flat(flat.comm_weights, chunk, owners.session.collective_group())
     flat.reset()
     restore_hyper(owners.param_groups, sd["hyper"])
     state_residual.restore(owners, sd)
