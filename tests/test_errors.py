@@ -165,9 +165,13 @@ RANK_MISMATCHES = [
     ("estimate_microbatches", {"estimate_microbatches": 3}, "estimate_microbatches"),  # hand-offs out of step
     ("estimate_extrapolation", {"estimate_extrapolation": 1.0}, "estimate_extrapolation"),  # against "auto": 1.2
     ("delay_correction", {"delay_correction": 1.0}, "delay_correction"),  # updates differ
+    ("compression", {"compression": "int8"}, "compression"),  # an all-to-all against a reduce-scatter
+    ("compression_block", {"compression": "int8", "compression_block": 64}, "compression_block"),
+    ("compression_weights", {"compression": "int8", "compression_weights": False}, "compression_weights"),
 ]
 BOTH_RANKS = {"estimate_microbatches": dict(mode="acco", microbatches_per_update=4),
-              "estimate_extrapolation": dict(mode="acco"), "delay_correction": dict(mode="dpu")}  # what the case needs
+              "estimate_extrapolation": dict(mode="acco"), "delay_correction": dict(mode="dpu"),
+              "compression_block": dict(compression="int8"), "compression_weights": dict(compression="int8")}
 
 
 def _mismatch_worker(rank: int, world: int) -> dict:
