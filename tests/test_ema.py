@@ -4,6 +4,9 @@ previous update's weights (mode dpu), so ``AveragedModel.update_parameters(model
 
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 import torch
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
@@ -109,3 +112,17 @@ def test_a_removed_commit_hook_runs_no_more():
         opt.zero_grad()
     opt.finish()
     assert calls == [True, True]
+
+
+def test_a_commit_hook_does_not_keep_a_dropped_optimizer_alive():
+    """An optimizer dropped without finish() is closed and freed (its close at drop holds the driver, which holds
+    the hooks: a hook holding the optimizer kept it alive, with its buffers, until the interpreter's exit)."""
+    model = _model()
+    opt = AccoOptimizer(model.parameters(), torch.optim.AdamW, mode="sync", microbatches_per_update=1, lr=1e-2)
+    opt.register_commit_hook(lambda o: None)
+    _loss(model, 0, 0, 0).backward()
+    opt.step()
+    dropped = weakref.ref(opt)
+    del opt
+    gc.collect()
+    assert dropped() is None

@@ -58,3 +58,20 @@ def test_the_bf16_estimate_keeps_a_layernorm_gain_that_moves_less_than_its_spaci
             assert moved > 0.5 * LR, (rank, t, moved)  # the gains moved by about a step per update
             assert off <= 0.02 * moved, f"rank {rank}, after step {t + 1}: {off:.3g} off the exact estimate, which moved {moved:.3g}"
         assert torch.equal(r["bf16"][-1], results[0]["bf16"][-1])  # every rank holds the same weights
+
+
+def _which(rank: int, world: int) -> list:
+    out = []
+    for compute in (torch.float32, torch.bfloat16):
+        model = _net()
+        opt = AccoOptimizer(model.parameters(), torch.optim.AdamW, mode="acco", microbatches_per_update=M, lr=LR,
+                            compute_dtype=compute, estimate_dtype=torch.bfloat16)
+        out.append(opt.runtime.flat.shard.held is not None)
+        opt.finish()
+    return out
+
+
+def test_a_bf16_models_estimate_travels_as_its_weights():
+    """The change is sent only where estimate_dtype is narrower than the compute dtype: a bf16 model's estimate
+    in bf16 is its weights as they are (as a change, the cast of the change and of the sum would round twice)."""
+    assert run_ranks(_which, 2) == [[True, False], [True, False]]

@@ -11,7 +11,8 @@ from acco.policies import resolve_estimate_extrapolation
 from acco.precision import resolve_estimate_dtype
 from acco.modes import Mode
 from acco.placement import Layout
-from acco.rounds import NORM_SLAB, clip_coefficient, global_grad_norm
+from acco.functional import CHUNK
+from acco.rounds import clip_coefficient, global_grad_norm
 
 
 @pytest.mark.parametrize("seed", range(20))
@@ -62,8 +63,8 @@ def test_clip_coefficient_scales_as_clip_grad_norm(max_norm):
         assert torch.allclose(p.grad, t * coef, rtol=1e-12, atol=0)
 
 
-@pytest.mark.parametrize("numel,ranges", [(1 << 24, None), (3 * NORM_SLAB + 5, None),
-                                          (1 << 24, [(0, 7), (100, (1 << 23) + 3), ((1 << 24) - NORM_SLAB - 1, 1 << 24)])])
+@pytest.mark.parametrize("numel,ranges", [(1 << 24, None), (3 * CHUNK + 5, None),
+                                          (1 << 24, [(0, 7), (100, (1 << 23) + 3), ((1 << 24) - CHUNK - 1, 1 << 24)])])
 def test_the_rounds_norm_is_exact_on_a_long_slice(numel, ranges):
     """The norm a round clips by (one rank, no group) equals the fp64 norm of its slice to 1e-6, whole or by ranges,
     with a tail shorter than a row. One fp32 reduction over 2^24 elements on CPU is 7e-4 off (what a rank's slice

@@ -96,8 +96,9 @@ class FlatBuffers:
                                     collectives, self.comm_low, low_slice)
         if precision.compression is not None:
             self.shard.packed = _packed(precision, layout, rank, self.params, self.comm_views, device)
-        if estimate_dtype is not None:  # the estimate's weights travel as the change against the model's
-            self.shard.held = _held(self.params, layout, rank)
+        if estimate_dtype is not None and estimate_dtype.itemsize < cd.itemsize:
+            # the estimate's weights travel as the change against the model's (a bf16 model's: as they are)
+            self.shard.held = Held(self.params, [pc for pc in layout.pieces(rank) if pc.numel])
 
     @property
     def master(self) -> torch.Tensor:
@@ -193,11 +194,12 @@ class FlatBuffers:
 
     def install(self, scheduler: Any, estimate: bool = False) -> None:
         """theta/theta~ swap: the round buffer's weights into the parameters (ordered after the round);
-        ``estimate``: an estimate round's. With estimate_dtype it came back as the change against the weights the
-        model holds (theta_t, installed at the estimate's own hand-off and not written since), added to them in
-        the compute dtype: the cast rounded the change, never the weights."""
+        ``estimate``: an estimate round's, which came back in estimate_dtype if it is set: narrower than the
+        compute dtype, as the change against the weights the model holds (theta_t, installed at the estimate's
+        own hand-off and not written since), added to them in the compute dtype, so the cast rounded the change,
+        never the weights; as wide (a bf16 model), as the weights themselves."""
         if estimate and self.comm_low is not None:
-            scheduler.install(self.params, self.comm_low_views, add=True)
+            scheduler.install(self.params, self.comm_low_views, add=self.shard.held is not None)
         else:
             scheduler.install(self.params, self.comm_views)
 
@@ -232,6 +234,15 @@ class FlatBuffers:
                 if not torch.equal(held, self.model_piece(i, pc, swapped=False)):
                     written.append(i)
         return written
+
+    @torch.no_grad()
+    def model_chunk(self, swapped: bool = False) -> torch.Tensor:
+        """This rank's chunk of the model's weights, in the compute dtype (the padding zero): a new tensor."""
+        chunk = torch.zeros(self.layout.shard_size, dtype=self.compute_dtype, device=self.master.device)
+        for i, pc in enumerate(self.layout.pieces(self.rank)):
+            if pc.numel:
+                chunk[pc.local_start : pc.local_end].copy_(self.model_piece(i, pc, swapped))
+        return chunk
 
     @torch.no_grad()
     def master_from_model(self, swapped: bool) -> None:
@@ -275,19 +286,6 @@ def _packed(precision: Any, layout: Any, rank: int, params: List[torch.Tensor], 
     return Packed(precision, rank, chunk, torch.zeros(n, dtype=torch.uint8, device=device),
                   torch.zeros(n, dtype=torch.uint8, device=device),
                   torch.zeros(layout.padded_numel, dtype=precision.accumulation_dtype, device=device), params, views)
-
-
-def _held(params: List[torch.Tensor], layout: Any, rank: int) -> Held:
-    """This rank's pieces of the parameters, and the ranges of its chunk they leave (padding)."""
-    pieces = [pc for pc in layout.pieces(rank) if pc.numel]
-    gaps, at = [], 0
-    for pc in sorted(pieces, key=lambda pc: pc.local_start):
-        if pc.local_start > at:
-            gaps.append((at, pc.local_start))
-        at = max(at, pc.local_end)
-    if at < layout.shard_size:
-        gaps.append((at, layout.shard_size))
-    return Held(params, pieces, gaps)
 
 
 def _master_slice(params: List[torch.Tensor], layout: Any, rank: int, master_dtype: torch.dtype,

@@ -288,11 +288,10 @@ def load(path: str, optimizer: "AccoOptimizer", *, model: Optional[torch.nn.Modu
     try:
         _verify_read(sd, trained, info, owners, where)
         damage = None
-    except CheckpointError as exc:  # a damaged entry shows on the ranks that read it only
+    except Exception as exc:  # a damaged entry shows on the ranks that read it only: agreed on with the checks
         damage = exc
-    _agree_on_damage(owners, damage, where)
     optim = unnest(sd)
-    check_loadable(owners, optim, allow_new_microbatches=allow_new_microbatches)  # before the model changes
+    check_loadable(owners, optim, allow_new_microbatches=allow_new_microbatches, error=damage)  # before the model changes
     if model is not None:
         # The trained parameters load from themselves here; load_state_dict below writes them from the
         # checkpoint's pieces (all-gathered into the idle round buffer): no model-sized copy.
@@ -370,21 +369,6 @@ def _model_entries(model: torch.nn.Module, optimizer: "AccoOptimizer") -> tuple:
     except TypeError:  # a state_dict() override without keep_vars: every entry into a copy, as before
         live = model.state_dict()
     return trained, {k: torch.empty_like(v) for k, v in live.items() if k not in trained}
-
-
-def _agree_on_damage(owners: Any, damage: Optional[CheckpointError], where: str) -> None:
-    """Raise a :class:`CheckpointError` on every rank where any rank found an entry it read damaged (each rank
-    reads only the pieces it needs), before anything changes: a script that catches it on every rank and loads
-    an earlier checkpoint then finds every rank in the same call. Collective."""
-    rows = owners.session.gather_row([int(damage is not None)], "load_state_dict() / acco.checkpoint.load()")
-    damaged = [r for r, row in enumerate(rows) if row[0]]
-    if damage is not None:
-        raise damage
-    if damaged:
-        raise CheckpointError(
-            f"{where}: rank(s) {damaged} read entries that do not match their checksums (their error names them): "
-            "the checkpoint is damaged. Nothing was loaded on any rank; use another checkpoint "
-            "(acco.checkpoint.latest(folder) picks the newest complete one).")
 
 
 def _verify_read(sd: Dict[str, Any], trained: Dict[str, Any], info: Dict[str, Any], owners: Any, where: str) -> None:

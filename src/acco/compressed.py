@@ -88,16 +88,13 @@ def all_gather_packed(weights: torch.Tensor, source: torch.Tensor, packed: Packe
         dequantize_add_(packed.recv[j * packed.chunk:(j + 1) * packed.chunk], packed.kind, packed.block, shard_size, w)
 
 
-
 def change_against_held(out: torch.Tensor, source: torch.Tensor, held: Held) -> torch.Tensor:
-    """``out`` (``estimate_dtype``) = ``source - W`` over this rank's chunk, with ``W`` the weights every rank
-    holds (``held``: the model's, theta_t during an estimate round; padding: nothing), computed in ``source``'s
-    dtype and cast once: the estimate's weights travel as this change, so the cast rounds the change, never a
-    weight, and every rank adds it to its ``W`` at the swap (``FlatBuffers.install``; ``docs/algorithm.md``,
-    ``estimate_dtype``). The parameters are only read (the compute side writes them only at the next hand-off,
-    after the round). No collective. Returns ``out``."""
-    for a, b in held.gaps:
-        out[a:b].copy_(source[a:b])
+    """``out`` (``estimate_dtype``) = ``source - W`` over this rank's pieces, with ``W`` the weights every rank
+    holds (``held``: the model's, theta_t during an estimate round), computed in ``source``'s dtype and cast
+    once: the estimate's weights travel as this change, so the cast rounds the change, never a weight, and every
+    rank adds it to its ``W`` at the swap (``FlatBuffers.install``; ``docs/algorithm.md``, ``estimate_dtype``).
+    The padding is left as it is: it is never installed. The parameters are only read (the compute side writes
+    them only at the next hand-off, after the round). No collective. Returns ``out``."""
     for pc in held.pieces:
         w = held.params[pc.index].detach().reshape(-1)[pc.param_start:pc.param_end]
         torch.sub(source[pc.local_start:pc.local_end], w, out=out[pc.local_start:pc.local_end])

@@ -22,7 +22,7 @@ from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
-__all__ = ["CHUNK", "CUDA_CHUNK", "NORM_SLAB", "chunk_elements", "copy_ranges", "estimate_into", "norm_temporaries_bound",
+__all__ = ["CHUNK", "CUDA_CHUNK", "chunk_elements", "copy_ranges", "estimate_into", "norm_temporaries_bound",
            "sum_of_squares", "supports", "temporaries_bound"]
 
 CHUNK = 1 << 20  # elements per piece of work on the CPU: the temporaries are a few of these
@@ -58,17 +58,15 @@ def temporaries_bound(optimizer: torch.optim.Optimizer, master: torch.Tensor) ->
     return lists * min(chunk_elements(master), master.numel()) * master.element_size()
 
 
-NORM_SLAB = 1 << 20  # elements sum_of_squares casts to fp64 at a time (8 MiB)
-
-
 def sum_of_squares(x: torch.Tensor) -> torch.Tensor:
-    """Σ x² of a 1-D slice, in fp64 slab by slab (no full-size temporary): finite for every finite ``x``, so only
-    inf/NaN skips a round. In fp32 a square overflows from |x| ≈ 1.8e19 and a row's sum sooner (finite gradients
-    of 1e20 were skipped as non-finite), and one fp32 reduction over a CPU slice of 2^24 elements is 7e-4 off
-    (test_pure.py)."""
+    """Σ x² of a 1-D slice, in fp64 slab by slab (:func:`chunk_elements` at a time: no full-size temporary, and on
+    CUDA few launches): finite for every finite ``x``, so only inf/NaN skips a round. In fp32 a square overflows
+    from |x| ≈ 1.8e19 (finite gradients of 1e20 were skipped as non-finite), and one fp32 reduction over a CPU
+    slice of 2^24 elements is 7e-4 off (test_pure.py)."""
     sq = torch.zeros((), dtype=torch.float64, device=x.device)
-    for a in range(0, x.numel(), NORM_SLAB):
-        slab = x[a:a + NORM_SLAB].double()
+    step = chunk_elements(x)
+    for a in range(0, x.numel(), step):
+        slab = x[a:a + step].double()
         sq.add_(torch.dot(slab, slab))
     return sq
 
@@ -76,7 +74,7 @@ def sum_of_squares(x: torch.Tensor) -> torch.Tensor:
 def norm_temporaries_bound(master: torch.Tensor) -> int:
     """Bytes :func:`sum_of_squares` allocates at once over a slice like ``master``: one fp64 slab, and a few
     fp64 scalars (the sum, a slab's, the global norm's)."""
-    return 8 * min(NORM_SLAB, master.numel()) + 64
+    return 8 * min(chunk_elements(master), master.numel()) + 64
 
 
 @torch.no_grad()

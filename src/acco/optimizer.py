@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import logging
+import weakref
 from typing import Any, Callable, Dict, Iterable, Iterator, List, Optional
 
 import torch
@@ -287,9 +288,17 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         model holding them: the place for an EMA of the model (``AveragedModel.update_parameters(model)``),
         which after ``step()`` would average the estimate ``theta~`` (mode acco) or stale weights (mode dpu).
         In mode sync it runs inside ``step()``; in modes acco and dpu when the commit lands, at a later
-        hand-off (one update behind ``step()``), and the last one at ``finish()``. Runs under ``no_grad``,
-        on the compute side. Returns a handle whose ``remove()`` unregisters it. Local."""
-        return self._runtime.driver.add_commit_hook(lambda: hook(self))
+        hand-off (one update behind ``step()``), and the last one at ``finish()``; after a skipped commit too
+        (the weights unchanged), as a torch loop's EMA update after a skipped ``step()``. Runs under
+        ``no_grad``, on the compute side. Returns a handle whose ``remove()`` unregisters it. Local."""
+        owner = weakref.ref(self)  # the close at drop holds the driver: the hook must not hold the optimizer
+
+        def call() -> None:
+            opt = owner()
+            if opt is not None:
+                hook(opt)
+
+        return self._runtime.driver.add_commit_hook(call)
 
     def take_model_weights(self) -> None:
         """Start from the model's weights as they are now: call it after writing them into the model once this

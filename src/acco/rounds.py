@@ -41,7 +41,7 @@ import torch
 import torch.distributed as dist
 
 from . import arrivals, functional
-from .functional import NORM_SLAB, sum_of_squares
+from .functional import sum_of_squares
 from .errors import HyperParameterMismatchError, NonFiniteGradientError, RoundFailedError, RoundMismatchError
 from .collectives import all_gather_flat, all_reduce_sum, reduce_scatter_flat
 from .compressed import all_gather_packed, change_against_held, keep_residual, reduce_scatter_packed
@@ -409,8 +409,10 @@ def _publish(ctx: RoundContext, plan: _StepPlan, source: torch.Tensor, low: bool
     b, snapshot, stepped, group = ctx.buffers, ctx.snapshot, plan.stepped, ctx.group
     if b.packed is not None:  # compression: each owner's change against the weights every rank holds
         all_gather_packed(b.weights, source, b.packed, group, b.master.numel(), b.collectives)
-    elif low:  # the estimate travels in estimate_dtype, as the change against the weights every rank holds
-        all_gather_flat(b.comm_low, change_against_held(b.low_slice, source, b.held), group, b.collectives)
+    elif low:  # the estimate travels in estimate_dtype, as the change against the weights every rank holds (a
+        # model of that dtype: as its weights)
+        sent = b.low_slice.copy_(source) if b.held is None else change_against_held(b.low_slice, source, b.held)
+        all_gather_flat(b.comm_low, sent, group, b.collectives)
     else:
         all_gather_flat(b.weights, source, group, b.collectives)  # every rank's new slice -> full weights
     if snapshotted:

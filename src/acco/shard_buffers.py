@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, List, Optional, Tuple
+from typing import Any, List, Optional
 
 import torch
 
@@ -15,12 +15,11 @@ __all__ = ["Held", "Packed", "ShardBuffers"]
 class Held:
     """The weights every rank holds during a round (the model's parameters: the previous round's result, the
     same bits on every rank), as this rank's chunk sees them: its ``pieces`` (``placement.Piece``, those with
-    elements) of ``params``, and ``gaps``, the chunk's ranges outside every piece (padding). The bf16 estimate
-    sends its weights as the change against them (``compressed.change_against_held``)."""
+    elements) of ``params``. The bf16 estimate of an fp32 model sends its weights as the change against them
+    (``compressed.change_against_held``)."""
 
     params: List[torch.Tensor]
     pieces: List[Any]
-    gaps: List[Tuple[int, int]]
 
 
 @dataclass

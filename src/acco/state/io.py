@@ -89,8 +89,12 @@ def _agree(owners: StateOwners, error: Optional[BaseException], file_rank: int) 
     """Raise on every rank if any rank refused its state dict, before any collective of the load
     (one rank loading while another refused would leave the ranks in different collectives), each naming what
     the refusing ranks were given when it is the common mix-up (one rank's file on every rank: then the rank
-    whose own file it is says so too, whatever else it found wrong). Collective."""
-    rows = owners.session.gather_row([int(error is not None), file_rank], "load_state_dict() / acco.checkpoint.load()")
+    whose own file it is says so too, whatever else it found wrong). Where a refusing rank found damage
+    (:class:`CheckpointError`: each rank reads and verifies only its own pieces), every rank raises one, so a
+    script that catches it on every rank and loads an earlier checkpoint finds every rank in that call.
+    Collective."""
+    code = 0 if error is None else 2 if isinstance(error, CheckpointError) else 1
+    rows = owners.session.gather_row([code, file_rank], "load_state_dict() / acco.checkpoint.load()")
     refused = [r for r, row in enumerate(rows) if row[0]]
     files = {row[1] for row in rows}
     if refused and len(rows) > 1 and len(files) == 1 and min(files) >= 0:
@@ -105,6 +109,12 @@ def _agree(owners: StateOwners, error: Optional[BaseException], file_rank: int) 
         ) from error
     if error is not None:
         raise error
+    damaged = [r for r, row in enumerate(rows) if row[0] == 2]
+    if damaged:
+        raise CheckpointError(
+            f"AccoOptimizer.load_state_dict(): rank(s) {damaged} found what they read damaged or not this run's "
+            "(their error says what). Nothing was loaded on any rank; use another checkpoint "
+            "(acco.checkpoint.latest(folder) picks the newest complete one)")
     if refused:
         raise RanksDisagreeError(
             f"AccoOptimizer.load_state_dict(): rank(s) {refused} refused their state dict (their error says why); "
@@ -187,12 +197,14 @@ def _committed_reconstruction(owners: StateOwners, saved: Saved, pieces, codec: 
 
 
 def check_loadable(owners: StateOwners, sd: Dict[str, Any], restore_model: bool = True,
-                   allow_new_microbatches: bool = False) -> None:
+                   allow_new_microbatches: bool = False, error: Optional[BaseException] = None) -> None:
     """Everything :func:`load_state_dict` refuses, checked on every rank and agreed on before any rank changes
-    anything (a refusal on one rank raises on all). Collective."""
-    error: Optional[BaseException] = None
+    anything (a refusal on one rank raises on all; ``error``: what this rank already found wrong, e.g. damage in
+    what it read, agreed on with the rest). Collective."""
     file_rank = _file_rank(sd)
     try:
+        if error is not None:
+            raise error
         sd = own_entry(sd, owners.rank, owners.world_size)
         kind = classify(sd)
         info = sd["acco"] if kind == "rank_shard" else decode_meta(sd["meta"])
@@ -264,11 +276,7 @@ def load_state_dict(owners: StateOwners, sd: Dict[str, Any], checked: bool = Fal
         with torch.no_grad():
             chunk = flat.master.to(flat.compute_dtype)
             if codec is not None:  # each owner's change against the model's weights, just restored
-                held = torch.zeros_like(chunk)
-                for i, pc in enumerate(owners.layout.pieces(owners.rank)):
-                    if pc.numel:
-                        held[pc.local_start:pc.local_end].copy_(flat.model_piece(i, pc, swapped=False))
-                chunk = reconstructed(held, chunk, *codec)
+                chunk = reconstructed(flat.model_chunk(), chunk, *codec)
             all_gather_flat(flat.comm_weights, chunk, owners.session.collective_group())
     flat.reset()
     restore_hyper(owners.param_groups, sd["hyper"])

@@ -47,11 +47,12 @@ def _ranks(keys, head: str) -> set:
 def target(owners: Any, meta: Dict[str, Any], pre: str) -> Dict[str, Any]:
     """What a DCP load reads of the residuals: this rank's, where the checkpoint was saved on as many ranks.
     Raises :class:`CheckpointError` (on every rank alike: the metadata is the same) where some of the residuals
-    the checkpoint's checksums list, one per rank that saved it, are not in it."""
+    the checkpoint's checksums list, one per rank that saved it, are not in it (a run without compression
+    ignores them)."""
     packed = _packed(owners)
     saved = _ranks(meta, f"{pre}{SECTION}.r")
     listed = _ranks(meta, f"checksums.{pre.replace('.', '/')}{SECTION}/r")
-    if listed and saved != listed:
+    if packed is not None and listed and saved != listed:
         missing = sorted(int(r) for r in listed - saved)
         raise CheckpointError(
             f"acco.checkpoint.load(): the checkpoint lists the error-feedback residuals of ranks "
