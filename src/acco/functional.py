@@ -64,10 +64,17 @@ def sum_of_squares(x: torch.Tensor) -> torch.Tensor:
     from |x| ≈ 1.8e19 (finite gradients of 1e20 were skipped as non-finite), and one fp32 reduction over a CPU
     slice of 2^24 elements is 7e-4 off (test_pure.py)."""
     sq = torch.zeros((), dtype=torch.float64, device=x.device)
-    step = chunk_elements(x)
+    step = min(chunk_elements(x), x.numel())
+    if not step:
+        return sq
+    # One slab and one partial sum, allocated once and reused (on CUDA, on the round's stream)
+    slab = torch.empty(step, dtype=torch.float64, device=x.device)
+    part = torch.empty((), dtype=slab.dtype, device=x.device)
     for a in range(0, x.numel(), step):
-        slab = x[a:a + step].double()
-        sq.add_(torch.dot(slab, slab))
+        s = slab[: min(step, x.numel() - a)]
+        s.copy_(x[a:a + step])
+        torch.dot(s, s, out=part)
+        sq.add_(part)
     return sq
 
 
