@@ -433,6 +433,23 @@ def test_finish_waits_on_the_host_for_the_last_round():
     assert fake.races == []
 
 
+def test_synchronize_makes_the_host_wait_for_the_last_round():
+    """StreamScheduler.synchronize() itself blocks the host until the last round issued has run (close() and
+    read_reports() rely on it where no report is left to wait on: finish()'s own report reads wait on every
+    round's end event, so the test above cannot tell a synchronize() that does nothing)."""
+    fake = FakeCuda()
+    with fake:
+        sched = StreamScheduler(torch.device("cuda"), api=fake)
+        x = torch.zeros(4)
+        sched.submit(lambda: x.add_(1.0), uses=[x])
+        sched.wait()
+        side = sched.side_stream
+        assert fake.host_clock.get(side.name, 0) < side.issued, "the round must still be in flight for this test"
+        sched.synchronize()
+        assert fake.host_clock.get(side.name, 0) >= side.issued, "synchronize() returned before the round ran"
+        sched.close(wait=False, join_timeout=0.0)
+
+
 def _fused_skip_run(path: str, in_kernel: bool = True, **options):
     """One process, fused AdamW in mode acco (or ``options``), an inf loss in update 2 (skipped); returns the
     final weights, the skip count and memory_report()."""

@@ -198,10 +198,14 @@ class FlatBuffers:
         compute dtype, as the change against the weights the model holds (theta_t, installed at the estimate's
         own hand-off and not written since), added to them in the compute dtype, so the cast rounded the change,
         never the weights; as wide (a bf16 model), as the weights themselves."""
-        if estimate and self.comm_low is not None:
-            scheduler.install(self.params, self.comm_low_views, add=self.shard.held is not None)
+        if estimate and self.shard.held is not None:
+            # The change added to the weights held, on the compute side after the round (the caller collected
+            # it: scheduler.wait() ordered this stream after the round's end), as scheduler.install copies.
+            with torch.no_grad():
+                torch._foreach_add_(self.params, self.comm_low_views)
         else:
-            scheduler.install(self.params, self.comm_views)
+            scheduler.install(self.params, self.comm_low_views if estimate and self.comm_low is not None
+                              else self.comm_views)
 
     @torch.no_grad()
     def swap_model_and_comm(self) -> None:

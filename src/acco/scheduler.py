@@ -305,18 +305,14 @@ class StreamScheduler:
             return self._pending.done()
         return True
 
-    def install(self, params: Sequence[torch.Tensor], sources: Sequence[torch.Tensor], add: bool = False) -> None:
-        """Copy a finished round's weights into the parameters, in place (the theta/theta~ swap); ``add``: the
-        round sent the change against the parameters' weights, added to them in their dtype.
+    def install(self, params: Sequence[torch.Tensor], sources: Sequence[torch.Tensor]) -> None:
+        """Copy a finished round's weights into the parameters, in place (the theta/theta~ swap).
 
         Call after :meth:`wait`, on the compute side, before the next ``submit``
         overwrites ``sources``.
         """
         with torch.no_grad():
-            if add:
-                torch._foreach_add_(list(params), list(sources))
-            else:
-                torch._foreach_copy_(list(params), list(sources))
+            torch._foreach_copy_(list(params), list(sources))
 
     def worker_alive(self) -> bool:
         """Whether the worker thread (CPU path) still runs, e.g. stuck in a collective with a dead peer."""
