@@ -56,7 +56,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--T", type=int, nargs="+", default=[120], help="run lengths (updates)")
     p.add_argument("--regimes", nargs="+", default=list(REGIMES), choices=list(REGIMES))
     p.add_argument("--methods", nargs="+", default=["ddp", "acco", "acco-paper"], choices=list(METHODS))
-    p.add_argument("--lrs", type=float, nargs="+", default=[1e-3, 2e-3, 4e-3], help="DDP's LR search (seed 0)")
+    p.add_argument("--lrs", type=float, nargs="+", default=[5e-4, 1e-3, 2e-3, 4e-3], help="DDP's LR search (seed 0)")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--stretch", type=float, default=1.25, help="constant LR: runs this much longer than T")
     p.add_argument("--eval-interval", type=int, default=10)
