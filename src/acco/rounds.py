@@ -41,7 +41,6 @@ import torch
 import torch.distributed as dist
 
 from . import arrivals, functional
-from .functional import sum_of_squares
 from .errors import HyperParameterMismatchError, NonFiniteGradientError, RoundFailedError, RoundMismatchError
 from .collectives import all_gather_flat, all_reduce_sum, reduce_scatter_flat
 from .compressed import all_gather_packed, change_against_held, keep_residual, reduce_scatter_packed
@@ -141,11 +140,11 @@ def global_grad_norm(grad_shard: torch.Tensor, group: Optional[dist.ProcessGroup
     """L2 norm of the full averaged gradient from this rank's slice (``ranges`` of it; with DTensor parameters,
     and the other shards' over ``model_group``). Collective on ``group``, then on ``model_group``."""
     if ranges is None:
-        sq = sum_of_squares(grad_shard).reshape(1)
+        sq = functional.sum_of_squares(grad_shard).reshape(1)
     else:
         sq = torch.zeros(1, dtype=torch.float64, device=grad_shard.device)
         for a, b in ranges:
-            sq.add_(sum_of_squares(grad_shard[a:b]))
+            sq.add_(functional.sum_of_squares(grad_shard[a:b]))
     all_reduce_sum(sq, group)  # sum of squares over all slices
     if model_group is not None:
         all_reduce_sum(sq, model_group)  # and over the model's other shards (tensor parallel / FSDP2 ranks)

@@ -149,7 +149,6 @@ def weights_codec(text: Optional[str]) -> Optional[Tuple[str, int]]:
     return kind, int(block)
 
 
-
 def encode_meta(meta: Dict[str, Any]) -> Dict[str, torch.Tensor]:
     """Strings and ints as tensors (DCP stores tensors only; nothing is pickled)."""
     return {k: torch.tensor(v, dtype=torch.int64) if isinstance(v, int) else torch.tensor(list(str(v).encode()), dtype=torch.uint8)
