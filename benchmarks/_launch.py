@@ -47,7 +47,7 @@ def loop_refusal(method: str, loop: str) -> Optional[str]:
 
 def check_loop(methods: Sequence[str], loop: str) -> None:
     """Refuse, before any run, a method that ``worker.py`` refuses in ``loop``."""
-    for name in [m.partition(":")[0] for m in methods]:
+    for name in [m.partition("@")[0].partition(":")[0] for m in methods]:
         refusal = loop_refusal(name, loop)
         if refusal:
             sys.exit(f"{refusal}: drop it from --methods or use --loop {ONE_LOOP[name][0]}")

@@ -12,6 +12,9 @@ carries its ``repeat``; ``report.py`` gives the median and min-max over repeats.
 The testbed is built for the run and torn down after it. Needs root
 (namespaces, tc); ``--loopback`` runs everything on 127.0.0.1 instead (no rate
 limit, no root: what the CI smoke test does).
+
+A method written ``acco:estimate-bf16@/tmp/old/src`` imports ``acco`` from that source tree (a ``git worktree``
+of an older commit), so one sweep compares the library against itself across a change, interleaved.
 """
 
 from __future__ import annotations
@@ -73,8 +76,11 @@ def run_point(args, rate, repeat: int) -> list:
     """One repeat at one rate: every method once, in the order given."""
     records = []
     for spec in args.methods.split(","):
-        method, _, variant = spec.partition(":")
+        name, _, src = spec.partition("@")  # "@path": this method imports acco from another source tree
+        method, _, variant = name.partition(":")
         env = {"ACCO_RING": "0"} if variant == "ring0" else {}
+        if src:
+            env["PYTHONPATH"] = str(Path(src).resolve())
         t0 = time.time()
         rec = _launch.run_worker(worker_args(args, method, variant), args.ranks, args.loopback, env, args.timeout)
         rec.update(tag=args.tag, rate_mbit=rate, label=spec, repeat=repeat, wall_s=time.time() - t0)

@@ -166,18 +166,21 @@ def ratio_table(pts) -> str:
 
 
 COMPRESSION_BASES = ("ddp", "ddp-fp16", "ddp-powersgd", "acco:estimate-bf16")
+# the default before issue 77's fix of the estimate's weights (7073ecf, imported from a worktree: overlap.py's "@")
+OLD_DEFAULT = "acco:estimate-bf16@/tmp/acco-7073/src"
+FIDELITY_BASES = ("ddp", OLD_DEFAULT)
 
 
-def compression_table(pts) -> str:
-    """The compressed rounds against DDP, DDP with torch's hooks and ACCO's default (``tag compression``): per
-    method its tokens/s, the ratios to each base (per repeat), the share of communication hidden, and the bytes
-    rank 0's interface sent per update (netns)."""
-    rows = ["| rate Mbit/s | x | method | tokens/s | " + " | ".join(f"vs {b}" for b in COMPRESSION_BASES)
-            + " | hidden | MB sent per update (rank 0) |", "|---" * (6 + len(COMPRESSION_BASES)) + "|"]
+def compression_table(pts, bases=COMPRESSION_BASES) -> str:
+    """Each method against ``bases`` (``tag compression``: DDP, DDP with torch's hooks and ACCO's default; ``tag
+    fidelity-speed``: DDP and the default of 7073ecf): per method its tokens/s, the ratios to each base (per
+    repeat), the share of communication hidden, and the bytes rank 0's interface sent per update (netns)."""
+    rows = ["| rate Mbit/s | x | method | tokens/s | " + " | ".join(f"vs {b}" for b in bases)
+            + " | hidden | MB sent per update (rank 0) |", "|---" * (6 + len(bases)) + "|"]
     for rate, p in pts.items():
         for label in p.runs:
             cells = [fmt_rate(rate), stat(p.x()), label, stat(p.field(label), "{:.0f}")]
-            cells += [stat(p.ratio(label, b)) if b != label and b in p.runs else "" for b in COMPRESSION_BASES]
+            cells += [stat(p.ratio(label, b)) if b != label and b in p.runs else "" for b in bases]
             sent = [b and b / 1e6 for b in p.field(label, "tx_bytes_per_update")]
             cells += [stat(p.summary(label, "hidden")), stat(sent, "{:.1f}")]
             rows.append("| " + " | ".join(cells) + " |")
@@ -316,6 +319,9 @@ def main(argv=None) -> None:
               + ratio_table(pts) + "\n")
     for setting, pts in points(records, "compression").items():
         print(f"## Compressed rounds ({setting_title(setting, pts)})\n\n" + compression_table(pts) + "\n")
+    for setting, pts in points(records, "fidelity-speed").items():
+        print(f"## The default across issue 77's change ({setting_title(setting, pts)})\n\n"
+              + compression_table(pts, FIDELITY_BASES) + "\n")
     for setting, pts in points(records, "hetero").items():
         print(f"## Heterogeneous ranks ({setting_title(setting, pts)})\n\n" + hetero_table(pts) + "\n")
     memory = [r for r in records if r.get("tag") == "memory"]

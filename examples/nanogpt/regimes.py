@@ -38,7 +38,13 @@ METHODS: Dict[str, Tuple[str, List[str]]] = {
     "acco-paper": ("train_acco.py", [*EXACT]),
     "acco-bf16-paper": ("train_acco.py", ["--acco-option=estimate_dtype=bfloat16", PAPER]),
     "acco-int8": ("train_acco.py", ["--acco-option=compression=int8", "--acco-option=estimate_extrapolation=1.2"]),
+    # candidates for a default that holds in every regime (issue 77)
+    "acco-h3": ("train_acco.py", ["--acco-option=estimate_dtype=bfloat16", "--acco-option=estimate_extrapolation=1.2",
+                                  "--acco-option=estimate_microbatches=3"]),
+    "acco-x15": ("train_acco.py", ["--acco-option=estimate_dtype=bfloat16", "--acco-option=estimate_extrapolation=1.5"]),
 }
+# method -> its label in the speed benchmark (benchmarks/overlap.py), for the composed time to DDP's loss
+SPEED_LABELS = {"ddp": "ddp", "acco": "acco:estimate-bf16", "acco-paper": "acco", "acco-int8": "acco-int8"}
 REGIMES = {  # name -> (schedule, warm-up, share of the run cooling down)
     "constant": ("constant", 0, 0.0),
     "cosine": ("cosine", 20, 0.0),
@@ -47,6 +53,7 @@ REGIMES = {  # name -> (schedule, warm-up, share of the run cooling down)
 MODEL = {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 64, "batch_size": 32,
          "gradient_accumulation_steps": 4, "eval_iters": 16, "world_size": 2, "min_lr_ratio": 0.1}
 RECORDS = ROOT / "docs" / "convergence_data" / "regimes.jsonl"
+SPEED = ROOT / "docs" / "benchmarks_data" / "fidelity-speed.jsonl"
 DOC = ROOT / "docs" / "studies" / "regimes.md"
 BEGIN, END = "<!-- regimes:begin -->", "<!-- regimes:end -->"
 
@@ -56,80 +63,125 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--T", type=int, nargs="+", default=[120], help="run lengths (updates)")
     p.add_argument("--regimes", nargs="+", default=list(REGIMES), choices=list(REGIMES))
     p.add_argument("--methods", nargs="+", default=["ddp", "acco", "acco-paper"], choices=list(METHODS))
-    p.add_argument("--lrs", type=float, nargs="+", default=[5e-4, 1e-3, 2e-3, 4e-3], help="DDP's LR search (seed 0)")
+    p.add_argument("--lrs", type=float, nargs="+", default=[5e-4, 1e-3, 2e-3, 4e-3],
+                   help="DDP's LR search at the shortest T (seed 0); a longer T starts from half, once and twice "
+                        "the shorter one's best; either goes on by factors of 2 while the best is at an edge")
     p.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
     p.add_argument("--stretch", type=float, default=1.25, help="constant LR: runs this much longer than T")
+    p.add_argument("--reach", type=float, default=1.03,
+                   help="cosine and WSD: every ACCO method also runs round(reach * T) updates, to tell whether it "
+                        "reaches DDP's loss within reach x DDP's updates (1 for none)")
     p.add_argument("--eval-interval", type=int, default=10)
+    p.add_argument("--speed", type=Path, default=SPEED,
+                   help="benchmarks/overlap.py records (--tag fidelity-speed) for the composed time to DDP's loss")
     p.add_argument("--records", type=Path, default=RECORDS)
     p.add_argument("--doc", type=Path, default=DOC)
     p.add_argument("--report-only", action="store_true")
     return p.parse_args(argv)
 
 
+def decays(regime: str) -> bool:
+    return REGIMES[regime][0] != "constant"
+
+
 def length(regime: str, T: int, stretch: float) -> int:
     """The updates a run of ``regime`` at length ``T`` trains: longer at a constant LR (nothing decays at ``T``,
     so the run's evaluation at ``T`` is the length-``T`` run's, and the rest shows when it reaches a target)."""
-    return round(T * stretch) if REGIMES[regime][0] == "constant" else T
+    return T if decays(regime) else round(T * stretch)
 
 
-def overrides(regime: str, T: int, lr: float, seed: int, args: argparse.Namespace) -> List[str]:
+def overrides(regime: str, n: int, lr: float, seed: int, args: argparse.Namespace) -> List[str]:
+    """train_*.py's settings for a run of ``n`` updates under ``regime`` (its schedule spans the ``n``)."""
     schedule, warmup, cool = REGIMES[regime]
     m = MODEL
     floor = lr if schedule == "constant" else lr * m["min_lr_ratio"]
     return [f"--seed={seed}", f"--learning_rate={lr}", f"--min_lr={floor}",
-            f"--schedule={'cosine' if schedule == 'constant' else schedule}", f"--cooldown_iters={round(cool * T)}",
-            f"--warmup_iters={warmup}", f"--max_iters={length(regime, T, args.stretch)}",
+            f"--schedule={'cosine' if schedule == 'constant' else schedule}", f"--cooldown_iters={round(cool * n)}",
+            f"--warmup_iters={warmup}", f"--max_iters={n}",
             f"--n_layer={m['n_layer']}", f"--n_head={m['n_head']}", f"--n_embd={m['n_embd']}",
             f"--block_size={m['block_size']}", f"--batch_size={m['batch_size']}",
             f"--gradient_accumulation_steps={m['gradient_accumulation_steps']}",
             f"--eval_interval={args.eval_interval}", f"--eval_iters={m['eval_iters']}"]
 
 
-def key(method: str, regime: str, T: int, lr: float, seed: int) -> tuple:
-    return (method, regime, int(T), float(lr), int(seed))
+def key(method: str, regime: str, T: int, lr: float, seed: int, n: int) -> tuple:
+    """A run's identity: ``n`` is the updates it trains (``length``, or a reach run's ``round(reach * T)``)."""
+    return (method, regime, int(T), float(lr), int(seed), int(n))
 
 
-def record_key(r: dict) -> tuple:
-    return key(r["method"], r["regime"], r["T"], r["lr"], r["seed"])
+def record_key(r: dict, stretch: float) -> tuple:
+    return key(r["method"], r["regime"], r["T"], r["lr"], r["seed"], r.get("length") or length(r["regime"], r["T"], stretch))
 
 
-def run(method: str, regime: str, T: int, lr: float, seed: int, args: argparse.Namespace, tmp: Path) -> dict:
+def run(k: tuple, args: argparse.Namespace, tmp: Path) -> dict:
+    method, regime, T, lr, seed, n = k
     script, flags = METHODS[method]
-    out = tmp / f"{method}-{regime}-T{T}-lr{lr:g}-s{seed}"
+    out = tmp / f"{method}-{regime}-T{T}-n{n}-lr{lr:g}-s{seed}"
     for attempt in (1, 2):  # once more: a shared machine can kill a run
         try:
-            evals, train, _, wall = launch(script, flags, overrides(regime, T, lr, seed, args), out)
+            evals, train, _, wall = launch(script, flags, overrides(regime, n, lr, seed, args), out)
             break
         except RuntimeError as exc:
             if attempt == 2:
                 raise
             print(f"{exc}\nretrying once", file=sys.stderr, flush=True)
     val = [[e["iter"], e["val_loss"]] for e in evals]
-    at_T = dict(val).get(T)
-    if at_T is None:
-        raise RuntimeError(f"{method} {regime} T={T}: no evaluation at update {T} (eval interval {args.eval_interval})")
-    return {"kind": "regime", "method": method, "regime": regime, "T": T, "lr": lr, "seed": seed,
-            "schedule": REGIMES[regime], "model": MODEL, "flags": flags, "val_at_T": at_T, "val": val,
-            "train_loss": [t["train_loss"] for t in train], "wall_s": round(wall, 1), **machine()}
+    at = dict(val)
+    if at.get(T if n == length(regime, T, args.stretch) else n) is None:
+        raise RuntimeError(f"{method} {regime} T={T} ({n} updates): no evaluation at its end")
+    return {"kind": "regime", "method": method, "regime": regime, "T": T, "length": n, "lr": lr, "seed": seed,
+            "schedule": REGIMES[regime], "model": MODEL, "flags": flags, "val_at_T": at.get(T), "val_at_end": at[n],
+            "val": val, "train_loss": [t["train_loss"] for t in train], "wall_s": round(wall, 1), **machine()}
 
 
-def best_lr(records: List[dict], regime: str, T: int, lrs: List[float], seed: int) -> Optional[float]:
-    got = {float(r["lr"]): r["val_at_T"] for r in records
-           if r["method"] == "ddp" and r["regime"] == regime and r["T"] == T and r["seed"] == seed}
-    if not set(lrs) <= set(got):
-        return None
-    return min(lrs, key=lambda lr: got[lr])
+def lr_search(records: List[dict], regime: str, T: int, args: argparse.Namespace) -> Tuple[Optional[float], List[float]]:
+    """DDP's best LR for the cell (None while searching) and the LRs still to run (seed 0, runs of length T).
+    The grid: ``--lrs`` at the shortest T, else half, once and twice the next shorter T's best; then it doubles
+    (halves) while the best is the largest (smallest) LR run, so the best is never at the search's edge."""
+    shorter = [t for t in args.T if t < T]
+    if shorter:
+        b, _ = lr_search(records, regime, max(shorter), args)
+        if b is None:
+            return None, []
+        grid = {b / 2, b, b * 2}
+    else:
+        grid = set(args.lrs)
+    n = length(regime, T, args.stretch)
+    got = {float(r["lr"]): r["val_at_T"] for r in records if r["method"] == "ddp" and r["regime"] == regime
+           and r["T"] == T and r["seed"] == args.seeds[0] and record_key(r, args.stretch)[5] == n}
+    grid |= set(got)
+    while True:
+        missing = sorted(lr for lr in grid if lr not in got)
+        if missing:
+            return None, missing
+        best = min(grid, key=lambda lr: got[lr])
+        if best == max(grid):
+            grid.add(best * 2)
+        elif best == min(grid):
+            grid.add(best / 2)
+        else:
+            return best, []
 
 
 def plan(args: argparse.Namespace, records: List[dict]) -> List[tuple]:
-    """What is left to run, in order: DDP's LR search of every cell first, then each cell's methods and seeds."""
-    out = [key("ddp", g, T, lr, args.seeds[0]) for T in args.T for g in args.regimes for lr in args.lrs]
+    """What is left to run, in order, per T: DDP's LR search of every regime, then each regime's methods on every
+    seed, then the reach runs of the decaying regimes."""
+    out = []
     for T in args.T:
         for g in args.regimes:
-            lr = best_lr(records, g, T, args.lrs, args.seeds[0])
-            if lr is not None:
-                out += [key(m, g, T, lr, s) for s in args.seeds for m in args.methods]
-    done = {record_key(r) for r in records}
+            best, missing = lr_search(records, g, T, args)
+            n = length(g, T, args.stretch)
+            out += [key("ddp", g, T, lr, args.seeds[0], n) for lr in missing]
+        for g in args.regimes:
+            best, _ = lr_search(records, g, T, args)
+            if best is not None:
+                out += [key(m, g, T, best, s, length(g, T, args.stretch)) for s in args.seeds for m in args.methods]
+        for g in args.regimes:
+            best, _ = lr_search(records, g, T, args)
+            if best is not None and decays(g) and args.reach > 1:
+                out += [key(m, g, T, best, s, round(args.reach * T)) for s in args.seeds for m in args.methods
+                        if m != "ddp"]
+    done = {record_key(r, args.stretch) for r in records}
     return [k for k in dict.fromkeys(out) if k not in done]
 
 
@@ -140,9 +192,10 @@ def run_missing(args: argparse.Namespace) -> None:
             todo = plan(args, load_records(args.records))
             if not todo:
                 return
-            method, regime, T, lr, seed = todo[0]
-            print(f"regimes: {len(todo)} run(s) left; {method} {regime} T={T} lr={lr:g} seed={seed}", flush=True)
-            record = run(method, regime, T, lr, seed, args, Path(tmp))
+            method, regime, T, lr, seed, n = todo[0]
+            print(f"regimes: {len(todo)} run(s) left (more may follow a search); {method} {regime} T={T} "
+                  f"({n} updates) lr={lr:g} seed={seed}", flush=True)
+            record = run(todo[0], args, Path(tmp))
             with open(args.records, "a") as f:
                 f.write(json.dumps(record) + "\n")
 
@@ -155,45 +208,104 @@ def updates_to(val: List[list], target: float) -> Optional[float]:
     return None
 
 
+def reach_ratio(at_T: float, at_reach: Optional[float], target: float, reach: float) -> Optional[float]:
+    """Under a decaying schedule: the updates to ``target`` over T, from the runs of T and reach x T updates
+    (each decayed over its own length), linear between them; 1.0 where the T run already reaches it (an upper
+    bound, shown "≤ 1.00"), None where the longer run does not either (beyond ``reach``) or is missing."""
+    if at_T <= target:
+        return 1.0
+    if at_reach is None or at_reach > target:
+        return None
+    return 1 + (reach - 1) * (at_T - target) / (at_T - at_reach)
+
+
+def speed_ratios(path: Path) -> Dict[float, dict]:
+    """rate -> {"x": median x, method: [DDP's tokens/s over the method's, per repeat]} from the speed records."""
+    if not path.exists():
+        return {}
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import report  # noqa: PLC0415 (the benchmarks' reader, only for the composed time)
+
+    pts = report.points(report.load(path), "fidelity-speed")
+    out: Dict[float, dict] = {}
+    for p in (next(iter(pts.values())) if pts else {}).items():
+        rate, point = p
+        xs = [x for x in point.x() if x]
+        row: dict = {"x": statistics.median(xs) if xs else None}
+        for method, label in SPEED_LABELS.items():
+            if label in point.runs:
+                row[method] = [1 / r for r in point.ratio(label, "ddp") if r]
+        out[rate] = row
+    return out
+
+
 def summarize(records: List[dict], args: argparse.Namespace) -> List[dict]:
     """One row per (T, regime, method) with every seed recorded at the regime's LR (DDP's best)."""
     rows = []
+    speed = speed_ratios(args.speed)
     for T in args.T:
         for g in args.regimes:
-            lr = best_lr(records, g, T, args.lrs, args.seeds[0])
+            lr, _ = lr_search(records, g, T, args)
             if lr is None:
                 continue
-            cell = {(r["method"], r["seed"]): r for r in records
+            cell = {(r["method"], r["seed"], record_key(r, args.stretch)[5]): r for r in records
                     if r["regime"] == g and r["T"] == T and float(r["lr"]) == lr}
+            n, reach_n = length(g, T, args.stretch), round(args.reach * T)
             for m in args.methods:
-                seeds = [s for s in args.seeds if (m, s) in cell and ("ddp", s) in cell]
+                seeds = [s for s in args.seeds if (m, s, n) in cell and ("ddp", s, n) in cell]
                 if not seeds:
                     continue
-                gaps = [cell[(m, s)]["val_at_T"] / cell[("ddp", s)]["val_at_T"] - 1 for s in seeds]
-                row = {"T": T, "regime": g, "lr": lr, "method": m, "seeds": seeds,
-                       "gap": statistics.mean(gaps), "gaps": gaps}
-                if REGIMES[g][0] == "constant":
-                    need = [updates_to(cell[(m, s)]["val"], cell[("ddp", s)]["val_at_T"]) for s in seeds]
-                    row["updates"] = [None if n is None else n / T for n in need]
-                rows.append(row)
+                ddp = {s: cell[("ddp", s, n)]["val_at_T"] for s in seeds}
+                gaps = [cell[(m, s, n)]["val_at_T"] / ddp[s] - 1 for s in seeds]
+                if m == "ddp":
+                    ups: List[Optional[float]] = [1.0] * len(seeds)
+                elif decays(g):
+                    ups = [reach_ratio(cell[(m, s, n)]["val_at_T"], (cell.get((m, s, reach_n)) or {}).get("val_at_end"),
+                                       ddp[s], reach_n / T) for s in seeds]
+                else:
+                    ups = [None if u is None else u / T
+                           for u in (updates_to(cell[(m, s, n)]["val"], ddp[s]) for s in seeds)]
+                rows.append({"T": T, "regime": g, "lr": lr, "method": m, "seeds": seeds,
+                             "gap": statistics.mean(gaps), "gaps": gaps, "updates": ups,
+                             "composed": composed(ups, speed, m)})
     return rows
 
 
-def table(rows: List[dict], stretch: float) -> str:
-    lines = ["| T | regime (DDP's best LR) | method | seeds | loss at T vs DDP (mean; per seed) | updates to DDP's loss / DDP's (constant LR; per seed) |",
-             "|---|---|---|---|---|---|"]
+def composed(ups: List[Optional[float]], speed: Dict[float, dict], method: str) -> List[tuple]:
+    """Per link rate of the speed records: (x, mean updates ratio x median time-per-update ratio, None where a
+    seed's updates ratio is unknown or the method was not timed)."""
+    out = []
+    for rate, row in sorted(speed.items(), key=lambda kv: -kv[0]):
+        t = row.get(method)
+        ok = t and all(u is not None for u in ups)
+        out.append((row["x"], statistics.mean(ups) * statistics.median(t) if ok else None))
+    return out
+
+
+def fmt_updates(u: Optional[float], bound: float, decaying: bool) -> str:
+    if u is None:
+        return f"> {bound:.2f}"
+    return "≤ 1.00" if decaying and u == 1.0 else f"{u:.3f}"
+
+
+def table(rows: List[dict], args: argparse.Namespace) -> str:
+    xs = next((r["composed"] for r in rows if r["composed"]), [])
+    head = "".join(f" time to DDP's loss / DDP's at x = {x:.1f} |" for x, _ in xs)
+    lines = [f"| T | regime (DDP's best LR) | method | seeds | loss at T vs DDP (mean; per seed) | "
+             f"updates to DDP's loss / DDP's (per seed) |{head}", "|---|---|---|---|---|---|" + "---|" * len(xs)]
     for r in rows:
         per = ", ".join(f"{g:+.2%}" for g in r["gaps"])
-        ups = "" if "updates" not in r else ", ".join(f"> {stretch:.2f}" if u is None else f"{u:.3f}"
-                                                       for u in r["updates"])
+        bound = args.reach if decays(r["regime"]) else args.stretch
+        ups = ", ".join(fmt_updates(u, bound, decays(r["regime"])) for u in r["updates"])
+        comp = "".join(" |" if c is None else f" {c:.2f} |" for _, c in r["composed"])
         lines.append(f"| {r['T']} | {r['regime']} ({r['lr']:g}) | {r['method']} | {len(r['seeds'])} | "
-                     f"{r['gap']:+.2%} ({per}) | {ups} |")
+                     f"{r['gap']:+.2%} ({per}) | {ups} |{comp}")
     return "\n".join(lines)
 
 
 def report(args: argparse.Namespace) -> str:
     rows = summarize(load_records(args.records), args)
-    block = f"{BEGIN}\n{table(rows, args.stretch)}\n{END}"
+    block = f"{BEGIN}\n{table(rows, args)}\n{END}"
     write_block(args.doc, block, BEGIN, END)
     return block
 
