@@ -55,7 +55,9 @@ MODEL = {"n_layer": 4, "n_head": 4, "n_embd": 128, "block_size": 64, "batch_size
 RECORDS = ROOT / "docs" / "convergence_data" / "regimes.jsonl"
 SPEED = ROOT / "docs" / "benchmarks_data" / "fidelity-speed.jsonl"
 DOC = ROOT / "docs" / "studies" / "regimes.md"
+GUIDE = ROOT / "docs" / "convergence.md"
 BEGIN, END = "<!-- regimes:begin -->", "<!-- regimes:end -->"
+MATRIX_BEGIN, MATRIX_END = "<!-- regimes-matrix:begin -->", "<!-- regimes-matrix:end -->"
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -76,6 +78,7 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                    help="benchmarks/overlap.py records (--tag fidelity-speed) for the composed time to DDP's loss")
     p.add_argument("--records", type=Path, default=RECORDS)
     p.add_argument("--doc", type=Path, default=DOC)
+    p.add_argument("--guide", type=Path, default=GUIDE, help="where the compact matrix goes")
     p.add_argument("--report-only", action="store_true")
     return p.parse_args(argv)
 
@@ -303,10 +306,38 @@ def table(rows: List[dict], args: argparse.Namespace) -> str:
     return "\n".join(lines)
 
 
+def matrix(rows: List[dict], args: argparse.Namespace) -> str:
+    """The guide's compact matrix: a row per (T, regime), a column per ACCO method, each cell the mean loss gap at
+    T, the mean updates ratio to DDP's loss and the composed time at the speed record's first (fastest) link."""
+    methods = [m for m in args.methods if m != "ddp" and any(r["method"] == m for r in rows)]
+    x = next((c[0][0] for c in (r["composed"] for r in rows) if c), None)
+    when = f" · time at x = {x:.1f}" if x is not None else ""
+    lines = ["| T | regime (DDP's best LR) | seeds | " + " | ".join(f"{m}: loss vs DDP · updates{when}" for m in methods)
+             + " |", "|---|---|---|" + "---|" * len(methods)]
+    for (T, g, lr) in dict.fromkeys((r["T"], r["regime"], r["lr"]) for r in rows):
+        cells, seeds = [], set()
+        for m in methods:
+            r = next((r for r in rows if (r["T"], r["regime"], r["method"]) == (T, g, m)), None)
+            if r is None:
+                cells.append("")
+                continue
+            seeds.add(len(r["seeds"]))
+            known = [u for u in r["updates"] if u is not None]
+            bound = args.reach if decays(g) else args.stretch
+            ups = (f"> {bound:.2f}" if len(known) < len(r["updates"]) else
+                   "≤ 1.00" if decays(g) and all(u == 1.0 for u in known) else f"{statistics.mean(known):.3f}×")
+            t = r["composed"][0][1] if r["composed"] else None
+            cells.append(f"{r['gap']:+.2%} · {ups}" + ("" if x is None else " · " + ("–" if t is None else f"{t:.2f}×")))
+        lines.append(f"| {T} | {g} ({lr:g}) | {'/'.join(str(n) for n in sorted(seeds))} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def report(args: argparse.Namespace) -> str:
     rows = summarize(load_records(args.records), args)
     block = f"{BEGIN}\n{table(rows, args)}\n{END}"
     write_block(args.doc, block, BEGIN, END)
+    if args.guide.exists() and MATRIX_BEGIN in args.guide.read_text():
+        write_block(args.guide, f"{MATRIX_BEGIN}\n{matrix(rows, args)}\n{MATRIX_END}", MATRIX_BEGIN, MATRIX_END)
     return block
 
 
