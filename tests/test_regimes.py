@@ -8,6 +8,7 @@ The records here are made up, so each expectation is computed from them in the t
 
 from __future__ import annotations
 
+import math
 import os
 
 import pytest
@@ -68,7 +69,8 @@ def test_plan_runs_the_reach_runs_of_decaying_schedules_for_accos_methods_only(R
 def test_updates_to_ddps_loss_under_a_decaying_schedule(R):
     assert R.reach_ratio(2.00, None, 2.01, 1.03) == 1.0  # the T run is already below: "<= 1.00"
     assert R.reach_ratio(2.03, 2.02, 2.01, 1.03) is None  # the 1.03 T run is not either
-    assert R.reach_ratio(2.03, None, 2.01, 1.03) is None  # not run yet
+    assert math.isnan(R.reach_ratio(2.03, None, 2.01, 1.03))  # not run yet: unknown, not beyond
+    assert R.fmt_updates(math.nan, 1.03, True) == "…"
     at_T, at_reach, target = 2.04, 2.00, 2.01
     assert R.reach_ratio(at_T, at_reach, target, 1.03) == pytest.approx(1 + 0.03 * (at_T - target) / (at_T - at_reach))
     assert R.fmt_updates(1.0, 1.03, True) == "≤ 1.00" and R.fmt_updates(None, 1.03, True) == "> 1.03"

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 import tempfile
@@ -214,10 +215,13 @@ def updates_to(val: List[list], target: float) -> Optional[float]:
 def reach_ratio(at_T: float, at_reach: Optional[float], target: float, reach: float) -> Optional[float]:
     """Under a decaying schedule: the updates to ``target`` over T, from the runs of T and reach x T updates
     (each decayed over its own length), linear between them; 1.0 where the T run already reaches it (an upper
-    bound, shown "≤ 1.00"), None where the longer run does not either (beyond ``reach``) or is missing."""
+    bound, shown "≤ 1.00"), None where the longer run does not either (beyond ``reach``), NaN while it is not
+    recorded yet (shown "…")."""
     if at_T <= target:
         return 1.0
-    if at_reach is None or at_reach > target:
+    if at_reach is None:
+        return math.nan
+    if at_reach > target:
         return None
     return 1 + (reach - 1) * (at_T - target) / (at_T - at_reach)
 
@@ -280,7 +284,7 @@ def composed(ups: List[Optional[float]], speed: Dict[float, dict], method: str) 
     out = []
     for rate, row in sorted(speed.items(), key=lambda kv: -kv[0]):
         t = row.get(method)
-        ok = t and all(u is not None for u in ups)
+        ok = t and all(u is not None and not math.isnan(u) for u in ups)
         out.append((row["x"], statistics.mean(ups) * statistics.median(t) if ok else None))
     return out
 
@@ -288,6 +292,8 @@ def composed(ups: List[Optional[float]], speed: Dict[float, dict], method: str) 
 def fmt_updates(u: Optional[float], bound: float, decaying: bool) -> str:
     if u is None:
         return f"> {bound:.2f}"
+    if math.isnan(u):
+        return "…"
     return "≤ 1.00" if decaying and u == 1.0 else f"{u:.3f}"
 
 
@@ -324,7 +330,7 @@ def matrix(rows: List[dict], args: argparse.Namespace) -> str:
             seeds.add(len(r["seeds"]))
             known = [u for u in r["updates"] if u is not None]
             bound = args.reach if decays(g) else args.stretch
-            ups = (f"> {bound:.2f}" if len(known) < len(r["updates"]) else
+            ups = ("…" if any(math.isnan(u) for u in known) else f"> {bound:.2f}" if len(known) < len(r["updates"]) else
                    "≤ 1.00" if decays(g) and all(u == 1.0 for u in known) else f"{statistics.mean(known):.3f}×")
             t = r["composed"][0][1] if r["composed"] else None
             cells.append(f"{r['gap']:+.2%} · {ups}" + ("" if x is None else " · " + ("–" if t is None else f"{t:.2f}×")))
