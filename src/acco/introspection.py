@@ -119,7 +119,7 @@ class Introspection:
         ``estimate_scratch`` (with ``delay_correction``, its copy of the slice
         too) are this rank's 1/N slice; with ``compression``, ``residual`` (the
         error feedback, full size, accumulation dtype) and ``compressed`` (the
-        packed chunks out and in, about one byte per element each). ``round_temporaries``:
+        packed chunks out and in, their kind's bits per element each). ``round_temporaries``:
         the most the library allocates at once during a round (on CUDA on the
         side stream, held until the stream has run it): a bound, the larger of
         the estimate's lists and the norm's fp64 slab; the wrapped optimizer's

@@ -23,6 +23,7 @@ import torch
 
 from . import precision as P
 from .modes import Mode
+from .quantize import KINDS
 
 __all__ = ["ACCO_NEEDS_TWO", "AUTO_EXTRAPOLATION", "DelayPolicy", "HandoffPolicy", "POLICIES", "PrecisionPolicy",
            "RobustnessPolicy", "check_estimate_within", "check_per_update", "resolve_estimate_extrapolation"]
@@ -337,8 +338,9 @@ class PrecisionPolicy:
 
     def _check_compression(self) -> None:
         kind, block = self.compression, self.compression_block
-        if kind is not None and kind not in ("int8", "fp8"):
-            raise ValueError(f"compression must be None, 'int8' or 'fp8', got {kind!r}")
+        if kind is not None and kind not in KINDS:
+            *others, last = map(repr, KINDS)
+            raise ValueError(f"compression must be None, {', '.join(others)} or {last} (quantize.KINDS), got {kind!r}")
         if not _is_int(block, 1):
             raise ValueError(f"compression_block must be an int >= 1 (elements per scale), got {block!r}")
         if not isinstance(self.compression_weights, bool):

@@ -41,6 +41,8 @@ from typing import List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from .quantize import KINDS
+
 __all__ = ["Prediction", "measure_round", "parse_count", "parse_matrix", "predict", "probe_parameters"]
 
 _SUFFIX = {"": 1, "k": 10**3, "m": 10**6, "b": 10**9, "g": 10**9}
@@ -195,7 +197,7 @@ def _parse(argv: Optional[List[str]]):
     p.add_argument("--optimizer", choices=["adamw", "muon"], default="adamw",
                    help="muon: torch.optim.Muon on whole matrices of --matrix's shape")
     p.add_argument("--matrix", default=None, help="with --optimizer muon: your hidden matrices' shape, e.g. 768x3072")
-    p.add_argument("--compression", choices=["int8", "fp8"], default=None,
+    p.add_argument("--compression", choices=list(KINDS), default=None,
                    help="also time rounds compressed to this format and predict acco with them")
     p.add_argument("--json", action="store_true")
     args = p.parse_args(argv)

@@ -14,27 +14,66 @@ later update; at ``TINY`` such a block rounds to the nearest multiple of the sca
 what it drops. A block holding inf or NaN has a non-finite ``s``, so every element of it comes back non-finite:
 the owner's sum is non-finite and the round's skip (or raise) applies on every rank, as without compression.
 
-The bytes of a chunk, end to end: the ``ceil(n / block)`` scales' bytes, then the ``n`` payload bytes, padded
-to a multiple of four (:func:`packed_size`), so one ``uint8`` buffer of chunks carries both in one message and
-every chunk's scales stay aligned.
+The bytes of a chunk, end to end: the ``ceil(n / block)`` scales' bytes, then the payload (``n`` elements of
+the kind's ``bits`` each, :func:`payload_bytes`), padded to a multiple of four (:func:`packed_size`), so one
+``uint8`` buffer of chunks carries both in one message and every chunk's scales stay aligned.
+
+:data:`KINDS` is the one list of kinds: the policy accepts its names, the transport sizes its buffers from it.
 """
 
 from __future__ import annotations
 
 import math
-from typing import Optional, Tuple
+from dataclasses import dataclass
+from typing import Callable, Optional, Tuple
 
 import torch
 
-__all__ = ["KINDS", "dequantize", "dequantize_add_", "packed_size", "quantize", "residual_of"]
+__all__ = ["KINDS", "Kind", "dequantize", "dequantize_add_", "packed_size", "payload_bytes", "quantize", "residual_of"]
 
-KINDS = {"int8": 127.0, "fp8": 448.0}  # the largest magnitude a payload byte holds
+
+def _encode_int8(y: torch.Tensor, top: float, dst: torch.Tensor) -> None:
+    dst.view(torch.int8).copy_(y.round_().clamp_(-top, top))
+
+
+def _decode_int8(src: torch.Tensor, n: int) -> torch.Tensor:
+    return src.view(torch.int8).float()
+
+
+def _encode_fp8(y: torch.Tensor, top: float, dst: torch.Tensor) -> None:
+    dst.view(torch.float8_e4m3fn).copy_(y.clamp_(-top, top))
+
+
+def _decode_fp8(src: torch.Tensor, n: int) -> torch.Tensor:
+    return src.view(torch.float8_e4m3fn).float()
+
+
+@dataclass(frozen=True)
+class Kind:
+    """One quantized wire format: ``top``, the largest magnitude a payload element holds; ``bits`` per element;
+    ``encode(y, top, dst)``: the values ``y`` (fp32, already divided by their scales; it may scratch them) into
+    the payload bytes ``dst``; ``decode(src, n)``: ``n`` values back from the payload bytes ``src``, in fp32 (a
+    new tensor)."""
+
+    top: float
+    bits: int
+    encode: Callable[[torch.Tensor, float, torch.Tensor], None]
+    decode: Callable[[torch.Tensor, int], torch.Tensor]
+
+
+KINDS = {"int8": Kind(127.0, 8, _encode_int8, _decode_int8), "fp8": Kind(448.0, 8, _encode_fp8, _decode_fp8)}
 TINY = torch.finfo(torch.float32).tiny  # the smallest scale: 2^-126, so x / s never divides by an underflowed 0
 
 
-def packed_size(n: int, block: int) -> int:
-    """Bytes of a packed chunk of ``n`` elements: four per block's scale, one per element, padded to four."""
-    return 4 * math.ceil(n / block) + 4 * math.ceil(n / 4)
+def payload_bytes(n: int, kind: str = "int8") -> int:
+    """Bytes of the payload of ``n`` elements of ``kind`` (``bits`` each, the last byte maybe part full)."""
+    return math.ceil(n * KINDS[kind].bits / 8)
+
+
+def packed_size(n: int, block: int, kind: str = "int8") -> int:
+    """Bytes of a packed chunk of ``n`` elements of ``kind``: four per block's scale, then the payload, padded to
+    four."""
+    return 4 * math.ceil(n / block) + 4 * math.ceil(payload_bytes(n, kind) / 4)
 
 
 SLAB = 1 << 18  # elements the quantizer works through at a time: its fp32 temporaries span at most one slab
@@ -42,8 +81,10 @@ SLAB = 1 << 18  # elements the quantizer works through at a time: its fp32 tempo
 
 def _slabs(n: int, block: int):
     """``(a, b)`` ranges covering ``0..n`` in order, each whole blocks (but the last): at most about ``SLAB``
-    elements, so a chunk's temporaries are a slab's, not the chunk's (``φ/N`` elements, 4 bytes each)."""
+    elements, so a chunk's temporaries are a slab's, not the chunk's (``φ/N`` elements, 4 bytes each). Every
+    slab but the last has an even length, so each begins on a whole byte of a payload of fewer bits."""
     step = max(1, SLAB // block) * block
+    step *= 2 if step % 2 else 1
     return [(a, min(a + step, n)) for a in range(0, n, step)]
 
 
@@ -64,37 +105,39 @@ def _scales(x: torch.Tensor, block: int, top: float) -> torch.Tensor:
     return torch.where(peaks == 0, torch.ones_like(peaks), (peaks / top).clamp_(min=TINY))
 
 
-def _split(packed: torch.Tensor, n: int, block: int) -> Tuple[torch.Tensor, torch.Tensor]:
+def _bytes(kind: str, a: int, b: int) -> slice:
+    """The payload bytes of elements ``a..b`` (``a`` at the start of a slab: on a whole byte)."""
+    return slice(a * KINDS[kind].bits // 8, payload_bytes(b, kind))
+
+
+def _split(packed: torch.Tensor, n: int, block: int, kind: str) -> Tuple[torch.Tensor, torch.Tensor]:
     """A packed chunk's scales (fp32) and payload bytes."""
     k = math.ceil(n / block)
-    return packed[: 4 * k].view(torch.float32), packed[4 * k: 4 * k + n]
+    return packed[: 4 * k].view(torch.float32), packed[4 * k: 4 * k + payload_bytes(n, kind)]
 
 
 def quantize(x: torch.Tensor, kind: str, block: int, out: torch.Tensor,
              minus: Optional[torch.Tensor] = None) -> None:
     """``x`` (1-D, any float dtype; with ``minus``, ``x - minus`` in fp32) packed into ``out`` (``uint8``,
     :func:`packed_size` bytes, 4-byte aligned), slab by slab."""
-    top = KINDS[kind]
-    scales, payload = _split(out, x.numel(), block)
+    k = KINDS[kind]
+    scales, payload = _split(out, x.numel(), block, kind)
     for a, b in _slabs(x.numel(), block):
         xs = x[a:b] if minus is None else x[a:b].float() - minus[a:b].float()
         s = scales[a // block: -(-b // block)]
-        s.copy_(_scales(xs, block, top))
+        s.copy_(_scales(xs, block, k.top))
         k_full = (b - a) // block
-        for part, sc, dst in ((_blocks(xs, block)[0], s[:k_full, None], payload[a: a + k_full * block].view(-1, block)),
-                              (_blocks(xs, block)[1], s[k_full:], payload[a + k_full * block: b])):
-            if not part.numel():
-                continue
-            y = part.float() / sc
-            if kind == "int8":
-                dst.view(torch.int8).copy_(y.round_().clamp_(-top, top))
-            else:
-                dst.view(torch.float8_e4m3fn).copy_(y.clamp_(-top, top))
+        y = torch.empty(b - a, dtype=torch.float32, device=x.device)  # the slab over its scales, then encoded
+        body, tail = _blocks(xs, block)
+        torch.div(body.float(), s[:k_full, None], out=y[: k_full * block].view(-1, block))
+        if tail.numel():
+            torch.div(tail.float(), s[k_full:], out=y[k_full * block:])
+        k.encode(y, k.top, payload[_bytes(kind, a, b)])
 
 
 def _dequantized(scales: torch.Tensor, payload: torch.Tensor, kind: str, block: int, a: int, b: int) -> torch.Tensor:
     """The fp32 values of elements ``a..b`` (whole blocks from ``a``) of a packed chunk: a new slab."""
-    q = (payload[a:b].view(torch.int8) if kind == "int8" else payload[a:b].view(torch.float8_e4m3fn)).float()
+    q = KINDS[kind].decode(payload[_bytes(kind, a, b)], b - a)
     s = scales[a // block: -(-b // block)]
     k_full = (b - a) // block
     q[: k_full * block].view(-1, block).mul_(s[:k_full, None])
@@ -112,7 +155,7 @@ def dequantize(packed: torch.Tensor, kind: str, block: int, n: int) -> torch.Ten
 def dequantize_add_(packed: torch.Tensor, kind: str, block: int, n: int, out: torch.Tensor) -> None:
     """``out`` (``n`` elements, any float dtype) += the values a packed chunk stands for, added in fp32 and cast
     back to ``out``'s dtype, slab by slab."""
-    scales, payload = _split(packed, n, block)
+    scales, payload = _split(packed, n, block, kind)
     for a, b in _slabs(n, block):
         o = out[a:b]
         o.copy_(o.float().add_(_dequantized(scales, payload, kind, block, a, b)))
@@ -122,7 +165,7 @@ def residual_of(x: torch.Tensor, packed: torch.Tensor, kind: str, block: int, ou
                 keep: Optional[torch.Tensor] = None) -> None:
     """``out`` = ``x - dequantize(packed)`` in fp32 (cast to ``out``'s dtype), slab by slab: what the
     quantization of ``x`` dropped. ``keep`` (a device flag): where set, ``out`` stays as it was."""
-    scales, payload = _split(packed, x.numel(), block)
+    scales, payload = _split(packed, x.numel(), block, kind)
     for a, b in _slabs(x.numel(), block):
         new = x[a:b].float() - _dequantized(scales, payload, kind, block, a, b)
         if keep is not None:
