@@ -58,6 +58,7 @@ import acco  # noqa: E402
 import acco.compressed  # noqa: E402
 import acco.round_checks  # noqa: E402
 import acco.rounds  # noqa: E402
+import acco.transport  # noqa: E402
 
 METHODS = ("ddp", "sync", "acco", "acco-int8")
 NAMES = {"ddp": "DDP + AdamW", "sync": "ZeRO-1 (acco sync)", "acco": "ACCO", "acco-int8": "ACCO + int8"}
@@ -404,12 +405,14 @@ def main(argv=None) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     ddp_group = dist.new_group(backend="gloo")  # DDP's all-reduces run on the link thread: a group of their own
     share = (world - 1) / world  # each rank sends (N-1)/N of the buffer in a ring reduce-scatter or all-gather
-    acco.rounds.reduce_scatter_flat = delayed(acco.rounds.reduce_scatter_flat, share)
+    # the round's transport (acco.transport) sends the gradients and the weights; the row's all-gather is rounds'
+    acco.transport.reduce_scatter_flat = delayed(acco.transport.reduce_scatter_flat, share)
+    acco.transport.all_gather_flat = delayed(acco.transport.all_gather_flat, share)
     acco.rounds.all_gather_flat = delayed(acco.rounds.all_gather_flat, share)
     # the exchange a public call (finish()) makes on the rounds' group crosses the link too
     acco.round_checks.all_gather_flat = delayed(acco.round_checks.all_gather_flat, share)
     # compressed rounds: the all-to-all of the gradients' packed chunks, the all-gather of the weights' ones
-    acco.rounds.reduce_scatter_packed = delayed_all_to_all(acco.rounds.reduce_scatter_packed, share)
+    acco.compressed.reduce_scatter_packed = delayed_all_to_all(acco.compressed.reduce_scatter_packed, share)
     acco.compressed.all_gather_flat = delayed(acco.compressed.all_gather_flat, share)
     train, held_data = load_corpus(args.data)
     held = eval_batches(held_data, args.eval_batches, args.batch, args.seq_len)

@@ -23,9 +23,9 @@ LAYERS = {
     6: ["runtime"],
     5: ["loops", "driver", "state.io", "state.target", "state.consolidated"],
     4: ["options", "buffers", "progress", "state.pieces", "state.legacy"],
-    3: ["rounds", "_validation", "state.checksums", "policies", "state.residual"],
+    3: ["rounds", "_validation", "state.checksums", "policies", "state.residual", "compressed"],
     2: ["wrapped", "scheduler", "mesh", "grads", "session", "hooks", "state.format", "introspection",
-        "integrations._given", "round_checks", "precision", "compressed"],
+        "integrations._given", "round_checks", "precision", "transport"],
     1: ["modes", "errors", "device_api", "placement", "arrivals", "functional", "snapshot", "collectives",
         "agreement", "amp", "ddp", "stats", "launch", "shard_buffers", "torch_hooks", "quantize"],
 }

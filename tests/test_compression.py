@@ -210,7 +210,7 @@ def _resume_worker(rank: int, world: int, folder: str, mode: str) -> dict:
             saved = torch.load(f"{folder}/gathered.pt", weights_only=True)
         else:
             acco.checkpoint.save(f"{folder}/ck", opt, model=model)
-        out[form + "_residual_moved"] = float(opt.runtime.flat.shard.packed.residual.abs().max())  # round collected
+        out[form + "_residual_moved"] = float(opt.runtime.flat.transport.residual.abs().max())  # round collected
         opt.finish()
         model = make_model(seed=1)  # other weights: the load puts the saved ones back
         opt = AccoOptimizer(model.parameters(), **kw)
@@ -221,7 +221,7 @@ def _resume_worker(rank: int, world: int, folder: str, mode: str) -> dict:
             opt.load_state_dict(saved["optimizer"])
         else:
             acco.checkpoint.load(f"{folder}/ck", opt, model=model)
-        out[form + "_residual_loaded"] = float(opt.runtime.flat.shard.packed.residual.abs().max())
+        out[form + "_residual_loaded"] = float(opt.runtime.flat.transport.residual.abs().max())
         out[form] = first + _train(model, opt, rank, 3, start=3)
         opt.finish()
     return out
@@ -252,7 +252,7 @@ def _reshard_worker(rank: int, world: int, folder: str) -> dict:
         opt.finish()
         return {}
     acco.checkpoint.load(f"{folder}/ck", opt, model=model)
-    residual = float(opt.runtime.flat.shard.packed.residual.abs().max())
+    residual = float(opt.runtime.flat.transport.residual.abs().max())
     after = _train(model, opt, rank, 2, start=3)
     opt.finish()
     return {"residual": residual, "finite": all(bool(torch.isfinite(x).all()) for x in after), "updates": opt.num_updates}
@@ -283,7 +283,7 @@ def _skip_worker(rank: int, world: int) -> dict:
             loss.backward()
         opt.step()
         opt.zero_grad()
-        residuals.append(opt.runtime.flat.shard.packed.residual.clone())
+        residuals.append(opt.runtime.flat.transport.residual.clone())
     opt.finish()
     return {"skipped": opt.num_skipped_updates, "kept": torch.equal(residuals[1], residuals[2]),
             "moved": not torch.equal(residuals[2], residuals[3]), "finite": bool(torch.isfinite(flat(model)).all())}

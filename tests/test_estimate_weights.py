@@ -66,7 +66,7 @@ def _which(rank: int, world: int) -> list:
         model = _net()
         opt = AccoOptimizer(model.parameters(), torch.optim.AdamW, mode="acco", microbatches_per_update=M, lr=LR,
                             compute_dtype=compute, estimate_dtype=torch.bfloat16)
-        out.append(opt.runtime.flat.shard.held is not None)
+        out.append(opt.runtime.flat.transport.held is not None)
         opt.finish()
     return out
 

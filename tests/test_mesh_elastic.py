@@ -43,18 +43,18 @@ def _full(p: torch.Tensor) -> torch.Tensor:
 def _worker(rank: int, world: int, mode: str, slow_tp_rank: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
-    import acco.rounds as rounds
+    import acco.transport as transport
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
     host, tp = mesh.get_local_rank("dp"), mesh.get_local_rank("tp")
     if tp == slow_tp_rank:  # the rounds of this shard's data-parallel group take longer than its peer's
-        real = rounds.reduce_scatter_flat
+        real = transport.reduce_scatter_flat  # the round's transport's reduce-scatter
 
         def slow_reduce_scatter(*args, **kwargs):
             time.sleep(0.04)
             return real(*args, **kwargs)
 
-        rounds.reduce_scatter_flat = slow_reduce_scatter
+        transport.reduce_scatter_flat = slow_reduce_scatter
     model, theta0 = _tp_model(mesh["tp"])
     opt = AccoOptimizer(model.parameters(), torch.optim.AdamW, mode=mode, accumulate_while_communicating=True,
                         max_microbatches=None, process_group=mesh["dp"], estimate_dtype=None, **KW)

@@ -17,7 +17,7 @@ from _dist import run_ranks
 from tinynet import loss_fn, make_model
 
 from acco import AccoOptimizer
-from acco import collectives, rounds, stats
+from acco import collectives, stats, transport
 from acco.stats import summarize
 
 HOLD_S = 0.2  # each round's all-gather is held this long, so rounds are long next to a wait
@@ -74,7 +74,7 @@ def test_gloo_rounds_use_the_ring_unless_told():
 
 
 def _stats_worker(rank: int, world: int, mode: str) -> list:
-    orig_ag = rounds.all_gather_flat
+    orig_ag = transport.all_gather_flat  # the round's transport sends the weights
     finished = threading.Event()
 
     def slow_all_gather(flat, shard, group, algorithm="native"):
@@ -83,7 +83,7 @@ def _stats_worker(rank: int, world: int, mode: str) -> list:
             threading.Event().wait(HOLD_S)
             finished.set()
 
-    rounds.all_gather_flat = slow_all_gather
+    transport.all_gather_flat = slow_all_gather
     timings = {}  # each round's host timestamps, as round_stats() reads them (to check their order, not lengths)
     seconds = stats.HostTiming.seconds
 
@@ -154,7 +154,7 @@ def test_memory_report_matches_algorithm_table(mode, dtype, estimate):
                         max_microbatches=1, lr=1e-2, estimate_dtype=estimate)
     assert opt.estimate_dtype == estimate
     if estimate is not None:  # the estimate's slice and gathered weights: views of the round buffer, disjoint
-        b, comm = opt.runtime.flat.shard, opt.runtime.flat.comm
+        b, comm = opt.runtime.flat.transport, opt.runtime.flat.comm
         ptr = comm.untyped_storage().data_ptr()
         assert b.low_slice.untyped_storage().data_ptr() == b.comm_low.untyped_storage().data_ptr() == ptr
         low_end = b.comm_low.data_ptr() + b.comm_low.numel() * 2

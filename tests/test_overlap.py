@@ -15,6 +15,7 @@ import pytest
 import torch
 
 import acco.rounds as rounds
+import acco.transport as transport
 from _dist import run_ranks
 from tinynet import loss_fn, make_model
 
@@ -30,7 +31,7 @@ def _overlap_worker(rank: int, world: int, mode: str) -> list:
     def note(what: str) -> None:
         events.append((what, threading.current_thread().name))
 
-    orig_rs, orig_ag = rounds.reduce_scatter_flat, rounds.all_gather_flat
+    orig_rs, orig_ag = transport.reduce_scatter_flat, transport.all_gather_flat  # the round's transport's
 
     def held_reduce_scatter(out, flat, group, algorithm="native"):
         if not in_backward.wait(timeout=HOLD):
@@ -44,7 +45,7 @@ def _overlap_worker(rank: int, world: int, mode: str) -> list:
         if shard.dtype != torch.float64:  # the (fp32) weights, not the float64 row [count, fingerprint, round id, bits]
             note("all_gather_end")
 
-    rounds.reduce_scatter_flat, rounds.all_gather_flat = held_reduce_scatter, logged_all_gather
+    transport.reduce_scatter_flat, transport.all_gather_flat = held_reduce_scatter, logged_all_gather
     model = make_model()
     # acco: two micro-batches per update; the end of the first one's backward hands off round 0 (the estimate).
     opt = AccoOptimizer(model.parameters(), mode=mode, lr=1e-2, microbatches_per_update=2 if mode == "acco" else None)

@@ -107,11 +107,11 @@ def test_probe_with_muon_steps_whole_matrices():
 def test_probe_with_compression_times_compressed_rounds_too(monkeypatch):
     """Check --compression int8: the probe also times rounds that really are compressed (the all-to-all of
     packed chunks runs), predicts acco with them, and compares that with sync ZeRO-1's full-width rounds."""
-    import acco.rounds
+    import acco.compressed
 
     calls = []
-    original = acco.rounds.reduce_scatter_packed
-    monkeypatch.setattr(acco.rounds, "reduce_scatter_packed", lambda *a, **k: calls.append(1) or original(*a, **k))
+    original = acco.compressed.reduce_scatter_packed
+    monkeypatch.setattr(acco.compressed, "reduce_scatter_packed", lambda *a, **k: calls.append(1) or original(*a, **k))
     assert measure_round(20_000, torch.float32, torch.device("cpu"), rounds=2, warmup=1, compression="int8") > 0
     assert len(calls) == 3
     r = _probe("--params", "200k", "--compute-seconds", "0.05", "--rounds", "3", "--compression", "int8", ranks=2)

@@ -12,7 +12,8 @@ Per rank, with ``P`` the padded number of trainable elements and ``N`` ranks
   accumulation of bf16 gradients, folded in as each gradient arrives);
 * ``comm``: the round's buffer: gradients out (accumulation dtype), the
   all-gathered weights back in the same memory (``comm_weights``, compute
-  dtype), installed into the parameters at the theta/theta~ swap;
+  dtype), installed into the parameters at the theta/theta~ swap; the round's transport
+  (``transport.py``, chosen here once) sends it in its wire format and owns that format's own buffers;
 * this rank's ``P/N`` slices (:class:`~acco.shard_buffers.ShardBuffers`): the master
   weights, the reduce-scatter's gradient slice, a compute-dtype staging slice
   when the dtypes differ, and the few scalars of a round.
@@ -27,13 +28,14 @@ from typing import Any, Dict, List, Optional, Sequence
 import torch
 
 from . import arrivals as _arrivals
+from .compressed import Quantized
 from .grads import GradBinding
 from .placement import Layout
-from .quantize import packed_size
-from .shard_buffers import Held, Packed, ShardBuffers
+from .shard_buffers import ShardBuffers
 from .stats import nbytes
+from .transport import FullWidth, NarrowEstimate, Transport
 
-__all__ = ["FlatBuffers"]
+__all__ = ["FlatBuffers", "choose_transport"]
 
 
 class FlatBuffers:
@@ -56,9 +58,8 @@ class FlatBuffers:
         device = self.params[0].device
         param_dtype = self.params[0].dtype
         master_dtype = torch.float64 if param_dtype == torch.float64 else torch.float32
-        estimate_dtype = precision.estimate_dtype
         cd, ad, rd = compute_dtype, precision.accumulation_dtype, precision.reduce_dtype
-        n, s = layout.padded_numel, layout.shard_size
+        n = layout.padded_numel
 
         master = _master_slice(self.params, layout, rank, master_dtype, cd)
 
@@ -68,17 +69,6 @@ class FlatBuffers:
         self.comm = torch.zeros(n, dtype=rd, device=device)
         self.comm_weights = self.comm if rd == cd else self.comm.view(torch.uint8)[: n * cd.itemsize].view(cd)
         self.comm_views = layout.views(self.comm_weights)
-        # estimate_dtype: an estimate round's gradients and weights in the first bytes of the same buffer, and its
-        # rank's slice (the reduce-scatter's output, the all-gather's input) in the bytes after them: an
-        # estimate round leaves at least half of the buffer's bytes free (estimate_dtype is narrower than
-        # reduce_dtype, so at most half as wide), and s <= n. No memory of its own.
-        self.comm_low, low_slice = None, None
-        if estimate_dtype is not None:
-            low_bytes = n * estimate_dtype.itemsize
-            raw = self.comm.view(torch.uint8)
-            self.comm_low = raw[:low_bytes].view(estimate_dtype)
-            low_slice = raw[low_bytes : low_bytes + s * estimate_dtype.itemsize].view(estimate_dtype)
-        self.comm_low_views = None if self.comm_low is None else layout.views(self.comm_low)
         # Where backward writes: straight into accum, unless it is of another dtype (then a buffer of its own,
         # folded into accum as each gradient arrives) or the loop accumulates while communicating (folded at
         # each step(), so that zero_grad() after a step() cannot wipe micro-batches awaiting a hand-off).
@@ -93,27 +83,19 @@ class FlatBuffers:
         self.arrivals = _arrivals.Arrivals(len(self.params))
         self._grad_is_sum = self.grads is self.accum or self.fold_on_arrival
         self.shard = _shard_buffers(self.comm, self.comm_weights, master, layout, len(self.params), cd, rd,
-                                    collectives, self.comm_low, low_slice)
-        if precision.compression is not None:
-            self.shard.packed = _packed(precision, layout, rank, self.params, self.comm_views, device)
-        if estimate_dtype is not None and estimate_dtype.itemsize < cd.itemsize:
-            # the estimate's weights travel as the change against the model's (a bf16 model's: as they are)
-            self.shard.held = Held(self.params, [pc for pc in layout.pieces(rank) if pc.numel])
+                                    collectives)
+        # the wire format, chosen once: it owns its buffers, packing, collectives and unpacking (transport.py)
+        self.transport = choose_transport(precision, layout, rank, self.params, self.comm, self.comm_views)
 
     @property
     def master(self) -> torch.Tensor:
         return self.shard.master
 
     def round_tensors(self) -> List[torch.Tensor]:
-        """Every tensor a round touches that is allocated here (the CUDA path records them on its stream): with
-        compression, the packed chunks, the residual, and the parameters the weights' change is taken against."""
-        out = [t for t in vars(self.shard).values() if torch.is_tensor(t)]
-        packed = self.shard.packed
-        if packed is not None:
-            out += [packed.send, packed.recv, packed.residual, *packed.params]
-        elif self.shard.held is not None:  # the estimate's change is taken against the parameters
-            out += self.params
-        return out
+        """Every tensor a round touches that is allocated here (the CUDA path records them on its stream), and
+        the transport's own (``Transport.tensors``: with compression, the packed chunks, the residual, and the
+        parameters the weights' change is taken against)."""
+        return [t for t in vars(self.shard).values() if torch.is_tensor(t)] + self.transport.tensors()
 
     # ------------------------------------------------------------ gradients
 
@@ -122,7 +104,7 @@ class FlatBuffers:
         """The gradient sum goes into the round buffer; a commit's leaves the accumulation (an estimate's
         gradients count again in the commit), and ``.grad`` is zero after it in every default loop. Returns the
         parameters without a gradient in that sum (``arrivals.Arrivals.take``)."""
-        (self.comm if commit or self.comm_low is None else self.comm_low).copy_(self.accum)
+        self.transport.gradients_in(self.comm, commit).copy_(self.accum)  # cast to the wire's dtype
         missing = self.arrivals.take(commit)
         if commit:
             self.accum.zero_()
@@ -198,14 +180,14 @@ class FlatBuffers:
         compute dtype, as the change against the weights the model holds (theta_t, installed at the estimate's
         own hand-off and not written since), added to them in the compute dtype, so the cast rounded the change,
         never the weights; as wide (a bf16 model), as the weights themselves."""
-        if estimate and self.shard.held is not None:
+        views, change = self.transport.install_views(self.comm_views, estimate)
+        if change:
             # The change added to the weights held, on the compute side after the round (the caller collected
             # it: scheduler.wait() ordered this stream after the round's end), as scheduler.install copies.
             with torch.no_grad():
-                torch._foreach_add_(self.params, self.comm_low_views)
+                torch._foreach_add_(self.params, views)
         else:
-            scheduler.install(self.params, self.comm_low_views if estimate and self.comm_low is not None
-                              else self.comm_views)
+            scheduler.install(self.params, views)
 
     @torch.no_grad()
     def swap_model_and_comm(self) -> None:
@@ -272,9 +254,8 @@ class FlatBuffers:
                               else [b.staging, b.grad_staging]),  # (an estimate's low_slice lives in comm)
             "optimizer_state": nbytes(optimizer_state),
             "estimate_scratch": nbytes(scratch),
-            # compression: the quantized chunks out and in, and the error feedback's residual (full size)
-            "compressed": 0 if b.packed is None else nbytes([b.packed.send, b.packed.recv]),
-            "residual": 0 if b.packed is None else nbytes([b.packed.residual]),
+            # the transport's own: with compression, the quantized chunks out and in, and the residual (full size)
+            **self.transport.memory(),
             "round_temporaries": temporaries,
         }
         # the persistent buffers; round_temporaries come and go within a round
@@ -282,14 +263,18 @@ class FlatBuffers:
         return report
 
 
-def _packed(precision: Any, layout: Any, rank: int, params: List[torch.Tensor], views: List[torch.Tensor],
-            device: torch.device) -> Packed:
-    """A compressed round's buffers: ``N`` packed chunks out, ``N`` in, and the residual (zero at the start)."""
-    chunk = packed_size(layout.shard_size, precision.compression_block)
-    n = layout.world_size * chunk
-    return Packed(precision, rank, chunk, torch.zeros(n, dtype=torch.uint8, device=device),
-                  torch.zeros(n, dtype=torch.uint8, device=device),
-                  torch.zeros(layout.padded_numel, dtype=precision.accumulation_dtype, device=device), params, views)
+def choose_transport(precision: Any, layout: Layout, rank: int, params: List[torch.Tensor], comm: torch.Tensor,
+                     views: List[torch.Tensor]) -> Transport:
+    """The round's wire format, from the resolved ``PrecisionPolicy``, once: ``compression`` (quantized blocks,
+    ``compressed.Quantized``), else ``estimate_dtype`` (the estimate in that dtype through ``comm``'s bytes,
+    ``transport.NarrowEstimate``), else the round buffer as it is (``transport.FullWidth``). Allocates the
+    transport's buffers (zero); no collective."""
+    if precision.compression is not None:
+        return Quantized(precision.compression, precision.compression_block, precision.compression_weights, layout,
+                         rank, precision.accumulation_dtype, params, views)
+    if precision.estimate_dtype is not None:
+        return NarrowEstimate(comm, layout, rank, precision.estimate_dtype, params, precision.compute_dtype)
+    return FullWidth()
 
 
 def _master_slice(params: List[torch.Tensor], layout: Any, rank: int, master_dtype: torch.dtype,
@@ -309,8 +294,7 @@ def _master_slice(params: List[torch.Tensor], layout: Any, rank: int, master_dty
 
 
 def _shard_buffers(comm: torch.Tensor, comm_weights: torch.Tensor, master: torch.Tensor, layout: Any,
-                   n_params: int, cd: torch.dtype, rd: torch.dtype, collectives: str, comm_low: Optional[torch.Tensor],
-                   low_slice: Optional[torch.Tensor]) -> ShardBuffers:
+                   n_params: int, cd: torch.dtype, rd: torch.dtype, collectives: str) -> ShardBuffers:
     """A round's buffers on this rank: the master slice and its gradient, the counts, the row, the staging
     slices the dtypes need."""
     device, master_dtype, s = master.device, master.dtype, layout.shard_size
@@ -327,8 +311,6 @@ def _shard_buffers(comm: torch.Tensor, comm_weights: torch.Tensor, master: torch
         all_arrived=torch.empty(row - 3, dtype=torch.float64, device=device),
         staging=None if cd == master_dtype else torch.zeros(s, dtype=cd, device=device),
         collectives=collectives,
-        comm_low=comm_low,
-        low_slice=low_slice,
     )
     with torch.no_grad():  # each word filled as a kernel argument: no copy from host memory
         for w, value in enumerate(_arrivals.pack((), n_params)):

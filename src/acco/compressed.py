@@ -8,27 +8,97 @@ and adds in rank order, in fp32. No value is quantized twice, whatever ``N``: un
 nothing is re-quantized at a hop. On a commit, ``x`` is the gradient sum plus the rank's residual, and the
 residual becomes what the quantization dropped, ``x - dequantize(quantize(x))``, once the round knows it takes
 its step (a skipped round leaves it as it was).
+
+:class:`Quantized` is this wire format's :class:`~acco.transport.Transport`: it owns the packed chunks out and
+in (sized by ``quantize.packed_size`` for its kind), the residual, and the exchanges below.
 """
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
 
 from .collectives import all_gather_flat
+from .placement import Layout
 from .quantize import dequantize_add_, packed_size, quantize, residual_of
-from .shard_buffers import Held, Packed
+from .shard_buffers import ShardBuffers
+from .stats import nbytes
+from .transport import Transport
 
-__all__ = ["all_gather_packed", "change_against_held", "keep_residual", "reduce_scatter_packed"]
+__all__ = ["Quantized", "all_gather_packed", "keep_residual", "reconstructed", "reduce_scatter_packed"]
+
+
+class Quantized(Transport):
+    """``compression``: quantized blocks of ``kind`` (``quantize.KINDS``) with a scale each, both ways.
+
+    It owns ``send``, this rank's ``N`` packed chunks end to end (``chunk`` bytes each, the chunk for rank ``j``
+    at ``j * chunk``), and ``recv``, every rank's chunk for this rank in rank order (the all-gather of the weights
+    uses the first chunk of ``send`` and all of ``recv`` the same way); ``residual``, this rank's error feedback,
+    full size, in the accumulation dtype (what its commits' quantization has not yet sent, zero at the start);
+    and reads ``params`` at ``views`` (their places in the round buffer's weights: the reference every rank holds
+    alike). ``weights``: the weights travel as their quantized change too (``compression_weights``), else in the
+    compute dtype. ``rank``: this rank's place in the round group (its chunk of the weights)."""
+
+    name = "quantized"
+
+    def __init__(self, kind: str, block: int, weights: bool, layout: Layout, rank: int,
+                 accumulation_dtype: torch.dtype, params: List[torch.Tensor], views: List[torch.Tensor]) -> None:
+        device = params[0].device
+        self.kind, self.block, self.weights, self.rank = kind, block, weights, rank
+        self.chunk = packed_size(layout.shard_size, block, kind)  # bytes of one packed chunk of shard_size elements
+        n = layout.world_size * self.chunk
+        self.send = torch.zeros(n, dtype=torch.uint8, device=device)
+        self.recv = torch.zeros(n, dtype=torch.uint8, device=device)
+        self._residual = torch.zeros(layout.padded_numel, dtype=accumulation_dtype, device=device)
+        self.params, self.views = params, views
+
+    @property
+    def world(self) -> int:
+        """Ranks of the round group: ``send`` holds one chunk for each."""
+        return self.send.numel() // self.chunk
+
+    @property
+    def residual(self) -> torch.Tensor:
+        return self._residual
+
+    @property
+    def weights_codec(self) -> Optional[Tuple[str, int]]:
+        return (self.kind, self.block) if self.weights else None
+
+    def reduce_scatter(self, b: ShardBuffers, commit: bool, group: Optional[dist.ProcessGroup]) -> None:
+        """Collective on ``group``: one all-to-all of quantized chunks, each owner's sum in fp32; a commit sends
+        its residual with its gradients (the estimate quantizes without feedback)."""
+        if commit:
+            b.comm.add_(self._residual)  # error feedback: what the earlier commits' quantization dropped
+        reduce_scatter_packed(b.grad, b.comm, self, group, b.grad.numel())
+
+    def keep_residual(self, b: ShardBuffers, undo: Optional[torch.Tensor]) -> None:
+        """``comm`` still holds what was sent: the residual becomes what its quantization dropped. No
+        collective."""
+        keep_residual(b.comm, self, b.grad.numel(), undo)
+
+    def all_gather(self, b: ShardBuffers, source: torch.Tensor, commit: bool,
+                   group: Optional[dist.ProcessGroup]) -> None:
+        """Collective on ``group``: each owner's change against the weights every rank holds, one all-gather of
+        packed chunks (:func:`all_gather_packed`)."""
+        all_gather_packed(b.weights, source, self, group, b.master.numel(), b.collectives)
+
+    def tensors(self) -> List[torch.Tensor]:
+        """The packed chunks, the residual, and the parameters the weights' change is taken against."""
+        return [self.send, self.recv, self._residual, *self.params]
+
+    def memory(self) -> Dict[str, int]:
+        """The quantized chunks out and in, and the error feedback's residual (full size)."""
+        return {"compressed": nbytes([self.send, self.recv]), "residual": nbytes([self._residual])}
 
 
 def _chunks(x: torch.Tensor, shard_size: int, world_size: int):
     return [x[j * shard_size:(j + 1) * shard_size] for j in range(world_size)]
 
 
-def reduce_scatter_packed(out: torch.Tensor, x: torch.Tensor, packed: Packed, group: Optional[dist.ProcessGroup],
+def reduce_scatter_packed(out: torch.Tensor, x: torch.Tensor, packed: Quantized, group: Optional[dist.ProcessGroup],
                           shard_size: int) -> None:
     """``out`` (this rank's share) = the sum over ranks, in rank order, of each rank's dequantized chunk for this
     rank. Collective on ``group``: one all-to-all of ``N`` packed chunks (``None``: one process, a copy)."""
@@ -46,7 +116,7 @@ def reduce_scatter_packed(out: torch.Tensor, x: torch.Tensor, packed: Packed, gr
                         out)
 
 
-def keep_residual(x: torch.Tensor, packed: Packed, shard_size: int, undo: Optional[torch.Tensor] = None) -> None:
+def keep_residual(x: torch.Tensor, packed: Quantized, shard_size: int, undo: Optional[torch.Tensor] = None) -> None:
     """The error feedback after a commit that steps: ``residual = x - dequantize(what was sent)``, chunk by chunk
     (slab-sized temporaries). ``undo`` (a device flag, the CUDA path): where set, the residual stays."""
     world = packed.world
@@ -58,21 +128,21 @@ def keep_residual(x: torch.Tensor, packed: Packed, shard_size: int, undo: Option
 def reconstructed(reference: torch.Tensor, source: torch.Tensor, kind: str, block: int) -> torch.Tensor:
     """What :func:`all_gather_packed` makes of one owner's chunk, computed alone: ``reference`` (the weights every
     rank held, compute dtype) plus the dequantized change ``source - reference``. Pure; a new tensor."""
-    packed = torch.empty(packed_size(reference.numel(), block), dtype=torch.uint8, device=reference.device)
+    packed = torch.empty(packed_size(reference.numel(), block, kind), dtype=torch.uint8, device=reference.device)
     quantize(source, kind, block, packed, minus=reference)
     out = reference.clone()
     dequantize_add_(packed, kind, block, reference.numel(), out)
     return out
 
 
-def all_gather_packed(weights: torch.Tensor, source: torch.Tensor, packed: Packed,
+def all_gather_packed(weights: torch.Tensor, source: torch.Tensor, packed: Quantized,
                       group: Optional[dist.ProcessGroup], shard_size: int, algorithm: str) -> None:
     """``weights`` (the round buffer, compute dtype, full) = what every rank reconstructs: the model's current
     weights (the previous round's, the same bits on every rank) plus each owner's dequantized change
     ``source - reference`` of its share. The fp32 master stays exact, and as each round's change is taken
     against what the ranks hold, the quantization's error does not build up. Collective on ``group``: one
     all-gather of one packed chunk per rank (``algorithm``: the ring or the native one, ``collectives.py``)."""
-    if not packed.policy.compression_weights:  # only the gradients compressed: the weights as they are
+    if not packed.weights:  # only the gradients compressed: the weights as they are
         all_gather_flat(weights, source, group, algorithm)
         return
     # The reference, laid out as the weights are (padding zero). The model's parameters are only read here: the
@@ -87,15 +157,3 @@ def all_gather_packed(weights: torch.Tensor, source: torch.Tensor, packed: Packe
     for j, w in enumerate(_chunks(weights, shard_size, world)):  # the reference + the change, in fp32
         dequantize_add_(packed.recv[j * packed.chunk:(j + 1) * packed.chunk], packed.kind, packed.block, shard_size, w)
 
-
-def change_against_held(out: torch.Tensor, source: torch.Tensor, held: Held) -> torch.Tensor:
-    """``out`` (``estimate_dtype``) = ``source - W`` over this rank's pieces, with ``W`` the weights every rank
-    holds (``held``: the model's, theta_t during an estimate round), computed in ``source``'s dtype and cast
-    once: the estimate's weights travel as this change, so the cast rounds the change, never a weight, and every
-    rank adds it to its ``W`` at the swap (``FlatBuffers.install``; ``docs/algorithm.md``, ``estimate_dtype``).
-    The padding is left as it is: it is never installed. The parameters are only read (the compute side writes
-    them only at the next hand-off, after the round). No collective. Returns ``out``."""
-    for pc in held.pieces:
-        w = held.params[pc.index].detach().reshape(-1)[pc.param_start:pc.param_end]
-        torch.sub(source[pc.local_start:pc.local_end], w, out=out[pc.local_start:pc.local_end])
-    return out

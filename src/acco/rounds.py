@@ -17,6 +17,10 @@ padded elements of the flat buffer, ``P/N`` per rank):
 4. all-gather of the new weights: ``P/N`` of the compute dtype in, ``P`` out,
    into the memory the gradients left (gloo: the ring).
 
+2 and 4 are the round's transport's (``ctx.transport``, ``transport.py``): the wire format, chosen once when the
+buffers are built. The dtypes and counts above are the full-width one's; ``estimate_dtype`` sends an estimate in
+that dtype, ``compression`` quantized blocks (an all-to-all for 2), and the phases here never ask which.
+
 Two kinds of round (``algorithm.md``):
 
 * ``COMMIT``   ``theta <- Opt(theta, g)``: master weights and optimizer state move.
@@ -34,7 +38,7 @@ optimizer's life (buffers, wrapped optimizer, group, policies), and a
 from __future__ import annotations
 
 import enum
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Dict, FrozenSet, List, Optional, Tuple
 
 import torch
@@ -42,12 +46,12 @@ import torch.distributed as dist
 
 from . import arrivals, functional
 from .errors import HyperParameterMismatchError, NonFiniteGradientError, RoundFailedError, RoundMismatchError
-from .collectives import all_gather_flat, all_reduce_sum, reduce_scatter_flat
-from .compressed import all_gather_packed, change_against_held, keep_residual, reduce_scatter_packed
+from .collectives import all_gather_flat, all_reduce_sum
 from .round_checks import (RoundReport, check_pairs_on_host, hyper_mismatch_message, mark_call, nonfinite_message,
                            round_mismatch_message)
 from .shard_buffers import ShardBuffers
 from .snapshot import OptimizerSnapshot, skips_in_kernel
+from .transport import FullWidth, Transport
 from .wrapped import WrappedOptimizers, local_step
 
 __all__ = [
@@ -104,6 +108,8 @@ class RoundContext:
     norm_ranges: Optional[List[Tuple[int, int]]] = None
     # delay_correction (mode dpu): a copy of the master slice taken before a corrected commit's step
     delay_scratch: Optional[torch.Tensor] = None
+    # the wire format (transport.py, compressed.py): chosen once, with the buffers (buffers.choose_transport)
+    transport: Transport = field(default_factory=FullWidth)
 
 
 @dataclass
@@ -199,21 +205,21 @@ def run_round(ctx: RoundContext, spec: RoundSpec) -> RoundResult:
     """
     b, kind = ctx.buffers, spec.kind
     pairs, unused = _exchange_rows(ctx, spec)  # 1. every rank's [micro-batch count, hyper fingerprint, round id]
-    low = _reduce_gradients(ctx, spec)  # 2. this rank's slice of the averaged gradient, in b.grad
+    _reduce_gradients(ctx, spec)  # 2. this rank's slice of the averaged gradient, in b.grad
     # 3. the averaged gradient's global norm: an all-reduce of a scalar (two with DTensor parameters)
     norm = global_grad_norm(b.grad, ctx.group, ctx.model_group, ctx.norm_ranges)
     ctx.wrapped.write_hyper(spec.hyperparams)
     plan = _plan_step(ctx, kind, spec.delay_correction)
     decision = _decide(ctx, kind, pairs, norm, plan)  # 4. skip, raise, or undo on the device
-    if b.packed is not None and kind is RoundKind.COMMIT and not decision.skipped:  # comm still holds what was sent
-        keep_residual(b.comm, b.packed, b.grad.numel(), decision.undo)
+    if kind is RoundKind.COMMIT and not decision.skipped:  # the transport's error feedback, if it keeps one
+        ctx.transport.keep_residual(b, decision.undo)
     if ctx.max_grad_norm is not None and not decision.skipped:
         b.grad.mul_(clip_coefficient(norm, ctx.max_grad_norm).to(b.grad.dtype))
     # A parameter no rank had a gradient for is not stepped, and its state does not advance (torch's .grad None)
     with ctx.wrapped.without_grads(unused):
         snapshotted = _step(ctx, kind, plan, decision)  # 5. the optimizers that step for real (on a snapshot: Opt*)
         source = _new_slice(ctx, plan, decision, snapshotted)  # 6. this rank's new weights: theta, or theta~
-    _publish(ctx, plan, source, low, snapshotted)  # 7. all-gather them, then leave theta as Opt* found it
+    _publish(ctx, kind, plan, source, snapshotted)  # 7. all-gather them, then leave theta as Opt* found it
     return RoundResult(kind, spec.local_microbatches, b.count, b.rank_counts, norm, decision.skipped, decision.report)
 
 
@@ -270,29 +276,17 @@ def _exchange_rows(ctx: RoundContext, spec: RoundSpec) -> Tuple[torch.Tensor, Fr
     return pairs, unused
 
 
-def _reduce_gradients(ctx: RoundContext, spec: RoundSpec) -> bool:
-    """Phase 2. Collective on the round group (reduce-scatter of the gradient sum): this rank's slice, divided by
-    the micro-batch count (or multiplied by ``grad_scale``), in ``b.grad``. Returns whether the round travels in
-    ``estimate_dtype`` (an estimate with a low-precision slice: half the bytes, both ways)."""
+def _reduce_gradients(ctx: RoundContext, spec: RoundSpec) -> None:
+    """Phase 2. Collective on the round group (the transport's reduce-scatter of the gradient sum): this rank's
+    slice, divided by the micro-batch count (or multiplied by ``grad_scale``), in ``b.grad``."""
     b = ctx.buffers
-    low = spec.kind is RoundKind.ESTIMATE and b.low_slice is not None
-    landing = b.low_slice if low else b.grad_staging
-    if b.packed is not None:  # compression: one all-to-all of quantized chunks, each owner's sum in fp32
-        if spec.kind is RoundKind.COMMIT:
-            b.comm.add_(b.packed.residual)  # error feedback: what the earlier commits' quantization dropped
-        reduce_scatter_packed(b.grad, b.comm, b.packed, ctx.group, b.grad.numel())
-    elif landing is None:
-        reduce_scatter_flat(b.grad, b.comm, ctx.group, b.collectives)  # this rank's slice of the gradient sum
-    else:
-        reduce_scatter_flat(landing, b.comm_low if low else b.comm, ctx.group, b.collectives)
-        b.grad.copy_(landing)
+    ctx.transport.reduce_scatter(b, spec.kind is RoundKind.COMMIT, ctx.group)  # this rank's slice of the sum
     if spec.grad_scale is None:
         b.grad.div_(b.count)  # the mean over all micro-batches of all ranks
     else:
         b.grad.mul_(spec.grad_scale)
     if spec.unscale is not None:
         b.grad.mul_(spec.unscale)  # the loss scale out, after the sum (as DDP's scaler unscales the average)
-    return low
 
 
 def _plan_step(ctx: RoundContext, kind: RoundKind, delay_correction: float = 0.0) -> _StepPlan:
@@ -401,19 +395,12 @@ def _new_slice(ctx: RoundContext, plan: _StepPlan, decision: _Decision, snapshot
     return b.master if b.staging is None else b.staging.copy_(b.master)
 
 
-def _publish(ctx: RoundContext, plan: _StepPlan, source: torch.Tensor, low: bool, snapshotted: bool) -> None:
-    """Phase 7. Collective on the round group (all-gather of every rank's new slice into the full weights), then,
-    for an estimate taken on a snapshot, theta and the state restored: only after the all-gather has read the
-    stepped master (``source`` may be the master itself)."""
-    b, snapshot, stepped, group = ctx.buffers, ctx.snapshot, plan.stepped, ctx.group
-    if b.packed is not None:  # compression: each owner's change against the weights every rank holds
-        all_gather_packed(b.weights, source, b.packed, group, b.master.numel(), b.collectives)
-    elif low:  # the estimate travels in estimate_dtype, as the change against the weights every rank holds (a
-        # model of that dtype: as its weights)
-        sent = b.low_slice.copy_(source) if b.held is None else change_against_held(b.low_slice, source, b.held)
-        all_gather_flat(b.comm_low, sent, group, b.collectives)
-    else:
-        all_gather_flat(b.weights, source, group, b.collectives)  # every rank's new slice -> full weights
+def _publish(ctx: RoundContext, kind: RoundKind, plan: _StepPlan, source: torch.Tensor, snapshotted: bool) -> None:
+    """Phase 7. Collective on the round group (the transport's all-gather of every rank's new slice into the full
+    weights), then, for an estimate taken on a snapshot, theta and the state restored: only after the all-gather
+    has read the stepped master (``source`` may be the master itself)."""
+    b, snapshot, stepped = ctx.buffers, ctx.snapshot, plan.stepped
+    ctx.transport.all_gather(b, source, kind is RoundKind.COMMIT, ctx.group)  # every rank's new slice -> weights
     if snapshotted:
         snapshot.restore(stepped, b.master)  # Opt*: leave theta and state untouched
 

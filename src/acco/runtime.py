@@ -234,6 +234,7 @@ class Runtime:
             extrapolation=o.delay.estimate_extrapolation, model_group=self.groups.model,
             norm_ranges=mesh.counted_ranges(counts, self.layout.pieces(self.rank)),
             delay_scratch=torch.empty_like(self.flat.shard.master) if o.delay.delay_correction else None,
+            transport=self.flat.transport,
         )
 
     def _make_loop(self) -> Any:

@@ -169,8 +169,7 @@ def _saved_codec(owners: StateOwners, info: Dict[str, Any]) -> Optional[tuple]:
     A state written before its description said (``"weights"`` absent): this optimizer's own settings."""
     if "weights" in info:
         return weights_codec(info["weights"])
-    packed = owners.flat.shard.packed
-    return (packed.kind, packed.block) if packed is not None and packed.policy.compression_weights else None
+    return owners.flat.transport.weights_codec
 
 
 def _committed_reconstruction(owners: StateOwners, saved: Saved, pieces, codec: Optional[tuple]) -> Optional[torch.Tensor]:

@@ -15,7 +15,7 @@ collective.
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict
+from typing import Any, Dict, Optional
 
 import torch
 
@@ -27,16 +27,17 @@ SECTION = "residual"
 log = logging.getLogger("acco")
 
 
-def _packed(owners: Any) -> Any:
-    return owners.flat.shard.packed
+def _residual(owners: Any) -> Optional[torch.Tensor]:
+    """This rank's residual, owned by the round's transport (None: its wire format keeps none)."""
+    return owners.flat.transport.residual
 
 
 def entries(owners: Any, sharded: bool) -> Dict[str, Any]:
     """This rank's residual for its state dict (nothing without compression)."""
-    packed = _packed(owners)
-    if packed is None:
+    residual = _residual(owners)
+    if residual is None:
         return {}
-    mine = packed.residual.detach().clone()
+    mine = residual.detach().clone()
     return {SECTION: {f"r{owners.rank}": mine} if sharded else mine}
 
 
@@ -49,22 +50,22 @@ def target(owners: Any, meta: Dict[str, Any], pre: str) -> Dict[str, Any]:
     Raises :class:`CheckpointError` (on every rank alike: the metadata is the same) where some of the residuals
     the checkpoint's checksums list, one per rank that saved it, are not in it (a run without compression
     ignores them)."""
-    packed = _packed(owners)
+    residual = _residual(owners)
     saved = _ranks(meta, f"{pre}{SECTION}.r")
     listed = _ranks(meta, f"checksums.{pre.replace('.', '/')}{SECTION}/r")
-    if packed is not None and listed and saved != listed:
+    if residual is not None and listed and saved != listed:
         missing = sorted(int(r) for r in listed - saved)
         raise CheckpointError(
             f"acco.checkpoint.load(): the checkpoint lists the error-feedback residuals of ranks "
             f"{sorted(int(r) for r in listed)}, but those of rank(s) {missing} are not in it: it is damaged. "
             "Nothing was loaded; use another checkpoint (acco.checkpoint.latest(folder) picks the newest complete one)")
-    if packed is None or not saved:
+    if residual is None or not saved:
         return {}
     if len(saved) != owners.world_size or str(owners.rank) not in saved:
         log.info("acco: the checkpoint's error-feedback residuals were written by %d ranks, this run has %d: "
                  "every rank starts from a zero residual", len(saved), owners.world_size)
         return {}
-    return {SECTION: {f"r{owners.rank}": torch.empty_like(packed.residual)}}
+    return {SECTION: {f"r{owners.rank}": torch.empty_like(residual)}}
 
 
 def _mine(owners: Any, sd: Dict[str, Any]) -> Any:
@@ -75,15 +76,15 @@ def _mine(owners: Any, sd: Dict[str, Any]) -> Any:
 def check(owners: Any, sd: Dict[str, Any]) -> None:
     """Refuse a saved residual this rank would take that is not one of this run's: another size, or holding
     inf/NaN (a skipped update keeps the residual, so every later update would be skipped). Local."""
-    packed, value = _packed(owners), _mine(owners, sd)
-    if packed is None or value is None:
+    residual, value = _residual(owners), _mine(owners, sd)
+    if residual is None or value is None:
         return
     where = f"AccoOptimizer.load_state_dict() on rank {owners.rank}"
-    if not torch.is_tensor(value) or value.shape != packed.residual.shape:
+    if not torch.is_tensor(value) or value.shape != residual.shape:
         got = tuple(value.shape) if torch.is_tensor(value) else type(value).__name__
         raise CheckpointError(
             f"{where}: the saved error-feedback residual has shape {got}, this run's has "
-            f"{tuple(packed.residual.shape)}: it is not this model's on these ranks (edited, or saved with another "
+            f"{tuple(residual.shape)}: it is not this model's on these ranks (edited, or saved with another "
             "model). Nothing was loaded; use the checkpoint this run wrote")
     if not bool(torch.isfinite(value).all()):
         raise CheckpointError(
@@ -93,11 +94,11 @@ def check(owners: Any, sd: Dict[str, Any]) -> None:
 
 def restore(owners: Any, sd: Dict[str, Any]) -> None:
     """This rank's residual from ``sd``, zero when it holds none for this rank (see the module docstring)."""
-    packed = _packed(owners)
-    if packed is None:
+    residual = _residual(owners)
+    if residual is None:
         return
     value = _mine(owners, sd)
     if value is None:  # none saved for this rank (without compression, or on other ranks): from zero
-        packed.residual.zero_()
+        residual.zero_()
         return
-    packed.residual.copy_(value.to(packed.residual.device, packed.residual.dtype))
+    residual.copy_(value.to(residual.device, residual.dtype))
