@@ -144,9 +144,9 @@ def quantized(x: torch.Tensor, kind: str, block: int, n_ranks: int) -> torch.Ten
     """What a rank's flat buffer ``x`` stands for after the 8-bit trip of ``algorithm.md`` ("Compressed rounds"):
     cut into ``n_ranks`` chunks of ``ceil(numel / n_ranks)`` (zero padding at the end), each chunk into blocks of
     ``block`` (the last one shorter); every block scaled by its largest magnitude over 127 (int8, rounded to
-    nearest even and clamped) or over 448 (fp8 e4m3), a block of zeros by 1, no scale below 2^-126, and back as
-    ``q * s`` in fp32."""
-    top = 127.0 if kind == "int8" else 448.0
+    nearest even and clamped), over 7 (int4, the same) or over 448 (fp8 e4m3), a block of zeros by 1, no scale
+    below 2^-126, and back as ``q * s`` in fp32."""
+    top = {"int8": 127.0, "int4": 7.0, "fp8": 448.0}[kind]
     size = -(-x.numel() // n_ranks)
     padded = torch.zeros(size * n_ranks, dtype=torch.float32)
     padded[: x.numel()] = x
@@ -158,7 +158,7 @@ def quantized(x: torch.Tensor, kind: str, block: int, n_ranks: int) -> torch.Ten
             peak = float(v.abs().max())
             s = torch.tensor(peak, dtype=torch.float32) / top if peak > 0 else torch.tensor(1.0)
             s = torch.clamp(s, min=torch.finfo(torch.float32).tiny)  # never an underflowed 0 (denormal blocks)
-            if kind == "int8":
+            if kind in ("int8", "int4"):
                 q = torch.clamp(torch.round(v / s), -top, top)
             else:
                 q = torch.clamp(v / s, -top, top).to(torch.float8_e4m3fn).float()

@@ -1,5 +1,5 @@
-"""Compressed rounds (``compression="int8" | "fp8"``), multi-rank, against the oracle's transcription of the
-8-bit trip and its error feedback (``docs/algorithm.md``, "Compressed rounds"): every mode, 2, 3 and 4 ranks,
+"""Compressed rounds (``compression="int8" | "fp8" | "int4"``), multi-rank, against the oracle's transcription of
+the 8- and 4-bit trips and their error feedback (``docs/algorithm.md``, "Compressed rounds"): every mode, 2, 3 and 4 ranks,
 within 1e-5; and what the option refuses."""
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ OPTIMIZERS = {"adamw": (torch.optim.AdamW, KW),
               "sgd": (torch.optim.SGD, dict(lr=5e-2, momentum=0.9, weight_decay=0.01))}
 # (name, optimizer, mode, micro-batches per update, compression, block, options)
 CONFIGS = [(f"{o}/{mode}/{kind}", o, mode, 2, kind, 16, {}) for o in OPTIMIZERS for mode in ("acco", "dpu", "sync")
-           for kind in ("int8", "fp8")]
+           for kind in ("int8", "fp8", "int4")]
 CONFIGS += [
     ("sgd/acco/int8/m4-block7", "sgd", "acco", 4, "int8", 7, {}),  # blocks that do not divide a chunk
     ("adamw/acco/int8/clipped", "adamw", "acco", 2, "int8", 16, {"max_grad_norm": 0.05}),  # the dequantized norm
@@ -30,6 +30,9 @@ CONFIGS += [
     ("sgd/acco/int8/sync2", "sgd", "acco", 2, "int8", 16, {"synchronous_updates": 2}),
     ("adamw/acco/int8/gradients-only", "adamw", "acco", 2, "int8", 16, {"compression_weights": False}),
     ("sgd/dpu/fp8/gradients-only", "sgd", "dpu", 2, "fp8", 16, {"compression_weights": False}),
+    ("sgd/acco/int4/m4-block7", "sgd", "acco", 4, "int4", 7, {}),  # odd blocks: nibbles across a block's edge
+    ("adamw/acco/int4/clipped", "adamw", "acco", 2, "int4", 16, {"max_grad_norm": 0.05}),
+    ("adamw/acco/int4/gradients-only", "adamw", "acco", 2, "int4", 16, {"compression_weights": False}),
     # the accumulate-while-communicating loop (step() after every micro-batch), one micro-batch a half in mode
     # acco: the default loop's update of two, with the rounds compressed alike
     ("sgd/acco/int8/awc", "sgd", "acco", 2, "int8", 16, {"awc": True}),
@@ -109,7 +112,8 @@ def test_compressed_rounds_equal_the_oracle(world, name):
         assert r["residual"] > 0, r
 
 
-@pytest.mark.parametrize("kind,block", [("int8", 16), ("int8", 7), ("fp8", 16), ("fp8", 100)])
+@pytest.mark.parametrize("kind,block", [("int8", 16), ("int8", 7), ("fp8", 16), ("fp8", 100), ("int4", 16),
+                                        ("int4", 7)])
 def test_the_quantizer_works_through_a_chunk_in_slabs_as_the_oracle_quantizes_it_whole(monkeypatch, kind, block):
     """Slabs of 64 elements (the library's are 2^18): a chunk of 3 slabs and a tail, a block of zeros among them,
     blocks that do not divide a slab; packed then unpacked, the change against a reference, the add into bf16
@@ -122,7 +126,7 @@ def test_the_quantizer_works_through_a_chunk_in_slabs_as_the_oracle_quantizes_it
     g = torch.Generator().manual_seed(block)
     x, ref = torch.randn(n, generator=g) * 1e-2, torch.randn(n, generator=g) * 1e-2
     x[70:90] = 0.0
-    packed = torch.empty(q.packed_size(n, block), dtype=torch.uint8)
+    packed = torch.empty(q.packed_size(n, block, kind), dtype=torch.uint8)
     q.quantize(x, kind, block, packed)
     assert torch.equal(q.dequantize(packed, kind, block, n), quantized(x, kind, block, 1))
     residual = torch.empty(n)
@@ -136,8 +140,21 @@ def test_the_quantizer_works_through_a_chunk_in_slabs_as_the_oracle_quantizes_it
     assert torch.equal(weights, (ref.to(torch.bfloat16).float() + change).to(torch.bfloat16))
 
 
+def test_int4_packs_two_elements_a_byte():
+    """A chunk of int4 carries half int8's payload bytes (its scales alike), and nibbles come back in order."""
+    import acco.quantize as q
+
+    assert q.packed_size(1024, 256, "int4") == 4 * 4 + 512 and q.packed_size(1024, 256, "int8") == 4 * 4 + 1024
+    assert q.packed_size(7, 256, "int4") == 4 + 4  # 4 payload bytes (the last half full), padded to four
+    x = torch.tensor([7.0, -7.0, 1.0, 0.0, -3.0])
+    packed = torch.zeros(q.packed_size(5, 8, "int4"), dtype=torch.uint8)
+    q.quantize(x, "int4", 8, packed)
+    assert packed[4:7].tolist() == [15 | (1 << 4), 9 | (8 << 4), 5]
+    assert torch.equal(q.dequantize(packed, "int4", 8, 5), x)
+
+
 @pytest.mark.parametrize("options,error,words", [
-    ({"compression": "int4"}, ValueError, "compression must be None, 'int8' or 'fp8'"),
+    ({"compression": "int2"}, ValueError, "compression must be None, 'int8', 'fp8' or 'int4'"),
     ({"compression": "int8", "compression_block": 0}, ValueError, "compression_block must be an int >= 1"),
     ({"compression": "int8", "compression_weights": 1}, TypeError, "compression_weights must be True or False"),
     ({"compression": "int8", "reduce_dtype": torch.bfloat16}, ValueError, "Drop reduce_dtype"),

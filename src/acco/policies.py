@@ -305,7 +305,7 @@ class PrecisionPolicy:
         "`RoundMismatchError`; `None` keeps the error ([settings](settings.md))."))
 
     compression: Optional[str] = option(None, "`None`", (
-        '`"int8"` or `"fp8"` (e4m3): the gradients travel in 8 bits with an fp32 scale per block of '
+        '`"int8"`, `"fp8"` (e4m3) or `"int4"`: the gradients travel in 8 (4) bits with an fp32 scale per block of '
         "`compression_block` elements, as an all-to-all of each rank's quantized chunks that every owner "
         "dequantizes and sums in fp32 (nothing is re-quantized on the way). Each rank keeps an error-feedback "
         "residual, a gradient-sized buffer in the accumulation dtype (checkpointed), so what a commit round's "
@@ -317,7 +317,7 @@ class PrecisionPolicy:
         "payload at 256). Smaller blocks follow the gradient's range more closely."))
 
     compression_weights: bool = option(True, "`True`", (
-        "With `compression`: the weights travel in 8 bits too, each owner sending its change against the weights "
+        "With `compression`: the weights travel in its bits too, each owner sending its change against the weights "
         "every rank holds (the fp32 master stays exact). `False`: only the gradients are compressed, and the "
         "weights travel in the compute dtype."))
 
@@ -349,7 +349,7 @@ class PrecisionPolicy:
             return
         if self.reduce_dtype is not None:
             raise ValueError(f"reduce_dtype={self.reduce_dtype} with compression={kind!r}: the gradients travel in "
-                             "8 bits and are summed in fp32 by their owner. Drop reduce_dtype")
+                             "{kind} and are summed in fp32 by their owner. Drop reduce_dtype")
         if self.estimate_dtype is not None and not (isinstance(self.estimate_dtype, str)
                                                     and self.estimate_dtype == "auto"):
             raise ValueError(f"estimate_dtype={self.estimate_dtype} with compression={kind!r}: the estimate round is "

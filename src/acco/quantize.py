@@ -1,11 +1,13 @@
-"""8-bit blocks with a scale each: what a compressed round sends (pure: tensors in, tensors out).
+"""8- and 4-bit blocks with a scale each: what a compressed round sends (pure: tensors in, tensors out).
 
 A chunk of ``n`` elements is cut into blocks of ``block`` elements (the last one may be shorter). Each block
-``x`` travels as one byte per element and one fp32 scale (``docs/algorithm.md``, "Compressed rounds"):
+``x`` travels as its kind's bits per element and one fp32 scale (``docs/algorithm.md``, "Compressed rounds"):
 
 * ``int8``: ``s = max|x| / 127``, ``q = clamp(round(x / s), -127, 127)``, back as ``q * s``;
 * ``fp8`` (e4m3): ``s = max|x| / 448``, ``q = float8_e4m3fn(x / s)`` (round to nearest even), back as
-  ``float(q) * s``.
+  ``float(q) * s``;
+* ``int4``: ``s = max|x| / 7``, ``q = clamp(round(x / s), -7, 7)``, back as ``q * s``; two elements a byte
+  (the first in the low nibble), each as ``q + 8``.
 
 A block of zeros has ``s = 1`` (it comes back as zeros). A scale is never below ``TINY`` (2^-126, fp32's
 smallest normal number): ``max|x| / top`` of a block of denormal values, or of a residual that a block without
@@ -48,6 +50,18 @@ def _decode_fp8(src: torch.Tensor, n: int) -> torch.Tensor:
     return src.view(torch.float8_e4m3fn).float()
 
 
+def _encode_int4(y: torch.Tensor, top: float, dst: torch.Tensor) -> None:
+    q = y.round_().clamp_(-top, top).add_(8).to(torch.uint8)  # 1..15: the nibble q + 8
+    if q.numel() % 2:  # an odd last slab: its last byte's high nibble is zero
+        q = torch.cat([q, q.new_zeros(1)])
+    pairs = q.view(-1, 2)
+    torch.bitwise_or(pairs[:, 0], pairs[:, 1] << 4, out=dst)
+
+
+def _decode_int4(src: torch.Tensor, n: int) -> torch.Tensor:
+    return torch.stack([src & 0xF, src >> 4], dim=1).view(-1)[:n].float().sub_(8)
+
+
 @dataclass(frozen=True)
 class Kind:
     """One quantized wire format: ``top``, the largest magnitude a payload element holds; ``bits`` per element;
@@ -61,7 +75,8 @@ class Kind:
     decode: Callable[[torch.Tensor, int], torch.Tensor]
 
 
-KINDS = {"int8": Kind(127.0, 8, _encode_int8, _decode_int8), "fp8": Kind(448.0, 8, _encode_fp8, _decode_fp8)}
+KINDS = {"int8": Kind(127.0, 8, _encode_int8, _decode_int8), "fp8": Kind(448.0, 8, _encode_fp8, _decode_fp8),
+         "int4": Kind(7.0, 4, _encode_int4, _decode_int4)}
 TINY = torch.finfo(torch.float32).tiny  # the smallest scale: 2^-126, so x / s never divides by an underflowed 0
 
 
