@@ -362,7 +362,8 @@ SGD_KW = dict(lr=5e-2, momentum=0.9, weight_decay=0.01)
 # name: (mode, compression, max_grad_norm, SGD with momentum instead of AdamW)
 COMPRESSED = {"sync/int8": ("sync", "int8", None, False), "dpu/int8": ("dpu", "int8", None, False),
               "acco/int8": ("acco", "int8", None, False), "acco/fp8": ("acco", "fp8", None, False),
-              "acco/int8/clipped": ("acco", "int8", CLIP, False), "acco/int8/sgd": ("acco", "int8", None, True)}
+              "acco/int8/clipped": ("acco", "int8", CLIP, False), "acco/int8/sgd": ("acco", "int8", None, True),
+              "acco/int4": ("acco", "int4", None, False), "sync/int4/sgd": ("sync", "int4", None, True)}
 
 
 def _fsdp_segments(theta0, fsdp: int) -> list:
@@ -404,7 +405,7 @@ def _compressed_oracle_worker(rank: int, world: int) -> dict:
 
 @pytest.mark.parametrize("name", list(COMPRESSED))
 def test_compressed_rounds_with_fsdp2_inside_equal_the_oracle(name):
-    """Modes sync, dpu and acco, int8 and fp8, clipped (the norm of the dequantized average, over both shards),
+    """Modes sync, dpu and acco, int8, fp8 and int4, clipped (the norm of the dequantized average, over both shards),
     AdamW and SGD: every rank's weights after every update equal the oracle's 8-bit transcription within 1e-5,
     the trip applied to each FSDP2 shard's flat vector, chunked over the hosts; and differ from the uncompressed
     oracle's (the quantization is in the path)."""
