@@ -16,7 +16,7 @@ tokens, and one *update* = two micro-batches per rank:
                 update loop only, as the library has it).
 * ``sync``      AccoOptimizer(mode="sync", min_microbatches=2): ZeRO-1, one round
                 per update after both micro-batches.
-* ``acco-int8`` / ``acco-fp8``  mode acco with ``compression="int8"`` / ``"fp8"`` (both directions, error
+* ``acco-int8`` / ``acco-fp8`` / ``acco-int4``  mode acco with ``compression="int8"`` / ``"fp8"`` / ``"int4"`` (both directions, error
                 feedback on the gradients; the estimate compressed like the commit).
 * ``acco-int8g`` mode acco with ``compression="int8", compression_weights=False`` (the gradients only).
 * ``ddp-fp16``  torch DDP + AdamW with torch's ``fp16_compress_hook`` (half the all-reduce's bytes; its
@@ -85,8 +85,9 @@ from acco.stats import nbytes, summarize  # noqa: E402
 
 import _launch  # noqa: E402  (this folder: the methods that run in one loop only)
 
-LIBRARY = ["acco", "acco-acc", "acco-int8", "acco-fp8", "acco-int8g", "dpu", "dpu-ef", "sync"]
+LIBRARY = ["acco", "acco-acc", "acco-int8", "acco-fp8", "acco-int4", "acco-int8g", "dpu", "dpu-ef", "sync"]
 COMPRESSED = {"acco-int8": dict(compression="int8"), "acco-fp8": dict(compression="fp8"),
+              "acco-int4": dict(compression="int4"),
               "acco-int8g": dict(compression="int8", compression_weights=False)}
 DDP = ["ddp", "ddp-fp16", "ddp-powersgd", "ddp-zero"]
 METHODS = LIBRARY + DDP + ["compute"]
