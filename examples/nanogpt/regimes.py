@@ -39,13 +39,15 @@ METHODS: Dict[str, Tuple[str, List[str]]] = {
     "acco-paper": ("train_acco.py", [*EXACT]),
     "acco-bf16-paper": ("train_acco.py", ["--acco-option=estimate_dtype=bfloat16", PAPER]),
     "acco-int8": ("train_acco.py", ["--acco-option=compression=int8", "--acco-option=estimate_extrapolation=1.2"]),
+    "acco-int4": ("train_acco.py", ["--acco-option=compression=int4", "--acco-option=estimate_extrapolation=1.2"]),
     # candidates for a default that holds in every regime (issue 77)
     "acco-h3": ("train_acco.py", ["--acco-option=estimate_dtype=bfloat16", "--acco-option=estimate_extrapolation=1.2",
                                   "--acco-option=estimate_microbatches=3"]),
     "acco-x15": ("train_acco.py", ["--acco-option=estimate_dtype=bfloat16", "--acco-option=estimate_extrapolation=1.5"]),
 }
 # method -> its label in the speed benchmark (benchmarks/overlap.py), for the composed time to DDP's loss
-SPEED_LABELS = {"ddp": "ddp", "acco": "acco:estimate-bf16", "acco-paper": "acco", "acco-int8": "acco-int8"}
+SPEED_LABELS = {"ddp": "ddp", "acco": "acco:estimate-bf16", "acco-paper": "acco", "acco-int8": "acco-int8",
+                "acco-int4": "acco-int4"}
 REGIMES = {  # name -> (schedule, warm-up, share of the run cooling down)
     "constant": ("constant", 0, 0.0),
     "cosine": ("cosine", 20, 0.0),
