@@ -771,20 +771,20 @@ def _dtensor_lines(d: Dict[str, Any], dry: bool) -> List[str]:
 
 
 def check_quantize(device: str, dry: bool, repeats: int) -> Dict[str, Any]:
-    """What compression (``compression="int8"`` / ``"fp8"``) costs a round on one device: the time to quantize
-    and to dequantize one round's gradients, examples/gpt's decoder at 65,536 tokens per update (section 9's
-    model), blocks of 256, against the bytes the round then sends (median of ``repeats`` timed runs after one
-    warm-up each)."""
-    from acco.quantize import dequantize, packed_size, quantize
+    """What compression (``compression=`` each of ``quantize.KINDS``: int8, fp8, int4) costs a round on one
+    device: the time to quantize and to dequantize one round's gradients, examples/gpt's decoder at 65,536 tokens
+    per update (section 9's model), blocks of 256, against the bytes the round then sends (median of ``repeats``
+    timed runs after one warm-up each)."""
+    from acco.quantize import KINDS, dequantize, packed_size, quantize
 
     cfg, _, _ = gpt_setup(dry)
     from model import GPT  # noqa: E402  (gpt_setup put examples/gpt on the path)
 
     numel = sum(p.numel() for p in GPT(cfg).parameters())
     x = torch.randn(numel, device=device)
-    packed = torch.empty(packed_size(numel, 256), dtype=torch.uint8, device=device)
-    out: Dict[str, Any] = {"params": numel, "packed_bytes": packed.numel(), "fp32_bytes": 4 * numel}
-    for kind in ("int8", "fp8"):
+    out: Dict[str, Any] = {"params": numel, "fp32_bytes": 4 * numel, "kinds": list(KINDS)}
+    for kind in KINDS:
+        packed = torch.empty(packed_size(numel, 256, kind), dtype=torch.uint8, device=device)
         q_s, d_s = [], []
         for i in range(repeats + 1):
             synchronize(device)
@@ -798,16 +798,17 @@ def check_quantize(device: str, dry: bool, repeats: int) -> Dict[str, Any]:
                 q_s.append(t1 - t0)
                 d_s.append(time.perf_counter() - t1)
         out[kind] = {"quantize_ms": 1e3 * statistics.median(q_s), "dequantize_ms": 1e3 * statistics.median(d_s),
-                     "max_rel_error": float((y - x).abs().max() / x.abs().max())}
+                     "max_rel_error": float((y - x).abs().max() / x.abs().max()), "packed_bytes": packed.numel()}
     return out
 
 
 def _quantize_lines(o: Dict[str, Any], dry: bool) -> List[str]:
-    rows = [f"One round's gradients of {o['params'] / 1e6:.1f}M parameters ({o['fp32_bytes'] / 1e6:.0f} MB in fp32, "
-            f"{o['packed_bytes'] / 1e6:.0f} MB packed), blocks of 256, median of the timed runs:", "",
-            "| kind | quantize ms | dequantize ms | max error / max value |", "|---|---|---|---|"]
-    rows += [f"| {k} | {o[k]['quantize_ms']:.3f} | {o[k]['dequantize_ms']:.3f} | {o[k]['max_rel_error']:.2g} |"
-             for k in ("int8", "fp8")]
+    kinds = o.get("kinds", ["int8", "fp8"])
+    rows = [f"One round's gradients of {o['params'] / 1e6:.1f}M parameters ({o['fp32_bytes'] / 1e6:.0f} MB in fp32), "
+            "blocks of 256, median of the timed runs:", "",
+            "| kind | MB packed | quantize ms | dequantize ms | max error / max value |", "|---|---|---|---|---|"]
+    rows += [f"| {k} | {o[k].get('packed_bytes', o.get('packed_bytes', 0)) / 1e6:.0f} | {o[k]['quantize_ms']:.3f} | "
+             f"{o[k]['dequantize_ms']:.3f} | {o[k]['max_rel_error']:.2g} |" for k in kinds]
     return rows
 
 

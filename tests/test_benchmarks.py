@@ -316,7 +316,7 @@ def test_gpu_check_dry_run(tmp_path):
     assert "raised in updates [4, 4]" in text and "\nPASS\n" in text  # the inf loss is in update 3's last micro-batch
     assert "exit 0" in text and "skipped" in text
     assert "no recompiles" in text
-    assert "| int8 |" in text and "| fp8 |" in text  # the quantizer's timings, each kind
+    assert "| int8 |" in text and "| fp8 |" in text and "| int4 |" in text  # the quantizer's timings, each kind
     assert "'overlap': {13: 0.7857142857142857}" in text  # 110 of the side stream's 140 us under compute kernels
 
 
