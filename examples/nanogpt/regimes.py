@@ -174,16 +174,13 @@ def plan(args: argparse.Namespace, records: List[dict]) -> List[tuple]:
     seed, then the reach runs of the decaying regimes."""
     out = []
     for T in args.T:
-        for g in args.regimes:
-            best, missing = lr_search(records, g, T, args)
-            n = length(g, T, args.stretch)
-            out += [key("ddp", g, T, lr, args.seeds[0], n) for lr in missing]
-        for g in args.regimes:
-            best, _ = lr_search(records, g, T, args)
+        search = {g: lr_search(records, g, T, args) for g in args.regimes}  # (best or None, LRs left), once
+        for g, (_, missing) in search.items():
+            out += [key("ddp", g, T, lr, args.seeds[0], length(g, T, args.stretch)) for lr in missing]
+        for g, (best, _) in search.items():
             if best is not None:
                 out += [key(m, g, T, best, s, length(g, T, args.stretch)) for s in args.seeds for m in args.methods]
-        for g in args.regimes:
-            best, _ = lr_search(records, g, T, args)
+        for g, (best, _) in search.items():
             if best is not None and decays(g) and args.reach > 1:
                 out += [key(m, g, T, best, s, round(args.reach * T)) for s in args.seeds for m in args.methods
                         if m != "ddp"]

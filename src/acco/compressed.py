@@ -41,8 +41,6 @@ class Quantized(Transport):
     alike). ``weights``: the weights travel as their quantized change too (``compression_weights``), else in the
     compute dtype. ``rank``: this rank's place in the round group (its chunk of the weights)."""
 
-    name = "quantized"
-
     def __init__(self, kind: str, block: int, weights: bool, layout: Layout, rank: int,
                  accumulation_dtype: torch.dtype, params: List[torch.Tensor], views: List[torch.Tensor]) -> None:
         device = params[0].device

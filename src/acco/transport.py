@@ -39,8 +39,6 @@ class Transport:
     (:class:`~acco.shard_buffers.ShardBuffers`: the round buffer ``comm``/``weights``, the master slice and its
     gradient ``grad``); ``commit``: a commit round (else an estimate)."""
 
-    name = "transport"
-
     def gradients_in(self, comm: torch.Tensor, commit: bool) -> torch.Tensor:
         """Where the hand-off copies the gradient sum to (``comm``, or a view of its bytes). No collective."""
         return comm
@@ -91,8 +89,6 @@ class FullWidth(Transport):
     """The round buffer as it is: gradients in ``comm``'s dtype (``reduce_dtype``), landing in
     ``b.grad_staging`` when that differs from the master's; weights in the compute dtype."""
 
-    name = "full width"
-
     def reduce_scatter(self, b: ShardBuffers, commit: bool, group: Optional[dist.ProcessGroup]) -> None:
         """Collective on ``group``: one reduce-scatter of ``comm`` (gloo: the ring, ``comm`` left as scratch)."""
         if b.grad_staging is None:
@@ -125,8 +121,6 @@ class NarrowEstimate(FullWidth):
     leaves at least half of ``comm``'s bytes free (``estimate_dtype`` is narrower than ``reduce_dtype``, so at
     most half as wide), and ``P/N <= P``: no memory of its own. Narrower than the compute dtype (``held``), the
     weights travel as the change against those every rank holds, added to them at the swap."""
-
-    name = "estimate in estimate_dtype"
 
     def __init__(self, comm: torch.Tensor, layout: Layout, rank: int, estimate_dtype: torch.dtype,
                  params: List[torch.Tensor], compute_dtype: torch.dtype) -> None:
