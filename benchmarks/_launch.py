@@ -36,6 +36,8 @@ ONE_LOOP = {
     "acco-acc": ("awc", "accumulates while a round is in flight, which only the awc loop "
                         "(accumulate_while_communicating=True) does"),
     "dpu-ef": ("update", "(delay_correction=1.0) needs one step() per update, which only the update loop does"),
+    "acco-auto": ("update", "(compression='auto') compares a round with an update's compute, which only the update "
+                            "loop fixes"),
 }
 
 

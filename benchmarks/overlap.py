@@ -41,7 +41,7 @@ def parse_args(argv=None, **defaults):
     p.add_argument("--methods", default=DEFAULT_METHODS,
                    help="worker.py methods; 'acco:ring0' runs acco with ACCO_RING=0 (gloo's own collectives), "
                         "'acco:reduce-bf16' / 'acco:reduce-fp32' with that reduce_dtype, 'acco:estimate-bf16' with "
-                        "estimate_dtype=torch.bfloat16")
+                        "estimate_dtype=torch.bfloat16, 'ddp-powersgd:rank32' PowerSGD at rank 32")
     p.add_argument("--repeats", type=int, default=3, help="runs of every method at every rate, interleaved")
     p.add_argument("--loop", choices=["awc", "update"], default="awc", help="worker.py --loop (library methods)")
     p.add_argument("--dtype", choices=["fp32", "bf16", "amp"], default="fp32", help="worker.py --dtype")
@@ -67,6 +67,7 @@ def worker_args(args, method: str, variant: str = ""):
                                      "--warmup", str(args.warmup)]
     reduce = ["--reduce-dtype", variant.split("-", 1)[1]] if variant.startswith("reduce-") else []
     reduce += ["--estimate-dtype", "bf16"] if variant == "estimate-bf16" else []
+    reduce += ["--powersgd-rank", variant[4:]] if variant.startswith("rank") else []  # ddp-powersgd:rank32
     model = [] if args.smoke else args.model.split()
     return ["--method", method, *base, *model, "--slow-rank", str(args.slow_rank), "--slow-factor",
             str(args.slow_factor), "--loop", args.loop, "--dtype", args.dtype, "--optimizer", args.optimizer, *reduce]

@@ -19,10 +19,12 @@ tokens, and one *update* = two micro-batches per rank:
 * ``acco-int8`` / ``acco-fp8`` / ``acco-int4``  mode acco with ``compression="int8"`` / ``"fp8"`` / ``"int4"`` (both directions, error
                 feedback on the gradients; the estimate compressed like the commit).
 * ``acco-int8g`` mode acco with ``compression="int8", compression_weights=False`` (the gradients only).
+* ``acco-auto`` mode acco with ``compression="auto"`` (the library's default rounds until it chooses, after its
+                fourth update's first hand-off: time it with ``--warmup 4`` or more).
 * ``ddp-fp16``  torch DDP + AdamW with torch's ``fp16_compress_hook`` (half the all-reduce's bytes; its
                 ``bf16_compress_hook`` refuses gloo: "required CUDA 11+ and NCCL 2.10+").
-* ``ddp-powersgd``  torch DDP + AdamW with torch's ``powerSGD_hook`` (rank 4, error feedback, warm start,
-                PowerSGD from the second all-reduce on).
+* ``ddp-powersgd``  torch DDP + AdamW with torch's ``powerSGD_hook`` (rank 4, or ``--powersgd-rank``; error
+                feedback, warm start, PowerSGD from the second all-reduce on).
 * ``ddp-zero``  torch DDP + ZeroRedundancyOptimizer: the first micro-batch under
                 ``no_sync()``, the second all-reduces in its backward, then the step.
 * ``ddp``       torch DDP + AdamW (every rank steps the whole model): the same
@@ -62,6 +64,7 @@ and the options the optimizer holds, every rank's peak RSS, and the buffer bytes
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import os
@@ -85,9 +88,10 @@ from acco.stats import nbytes, summarize  # noqa: E402
 
 import _launch  # noqa: E402  (this folder: the methods that run in one loop only)
 
-LIBRARY = ["acco", "acco-acc", "acco-int8", "acco-fp8", "acco-int4", "acco-int8g", "dpu", "dpu-ef", "sync"]
+LIBRARY = ["acco", "acco-acc", "acco-int8", "acco-fp8", "acco-int4", "acco-int8g", "acco-auto", "dpu", "dpu-ef",
+           "sync"]
 COMPRESSED = {"acco-int8": dict(compression="int8"), "acco-fp8": dict(compression="fp8"),
-              "acco-int4": dict(compression="int4"),
+              "acco-int4": dict(compression="int4"), "acco-auto": dict(compression="auto"),
               "acco-int8g": dict(compression="int8", compression_weights=False)}
 DDP = ["ddp", "ddp-fp16", "ddp-powersgd", "ddp-zero"]
 METHODS = LIBRARY + DDP + ["compute"]
@@ -115,6 +119,7 @@ def parse_args(argv=None):
     p.add_argument("--estimate-dtype", choices=["default", "bf16"], default="default",
                    help="the library's estimate_dtype (default: None, the estimate travels like the commit, as the "
                         "paper has it; the library's own default, 'auto', would send it in bf16 here)")
+    p.add_argument("--powersgd-rank", type=int, default=4, help="ddp-powersgd's matrix_approximation_rank")
     p.add_argument("--out", type=Path, default=None, help="rank 0 writes its JSON record here")
     args = p.parse_args(argv)
     if args.optimizer == "muon" and args.method == "ddp-zero":
@@ -205,8 +210,8 @@ class Runner:
             elif m == "ddp-powersgd":
                 from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as powersgd
 
-                state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=4, start_powerSGD_iter=2,
-                                               use_error_feedback=True, warm_start=True)
+                state = powersgd.PowerSGDState(process_group=None, matrix_approximation_rank=self.args.powersgd_rank,
+                                               start_powerSGD_iter=2, use_error_feedback=True, warm_start=True)
                 self.net.register_comm_hook(state, powersgd.powerSGD_hook)
             if m in ("ddp", "ddp-fp16", "ddp-powersgd") and args.optimizer == "muon":
                 hidden, rest = muon_split(model)
@@ -339,7 +344,11 @@ def main(argv=None) -> None:
         record["memory"] = runner.opt.memory_report()
         record["options"] = {k: str(getattr(runner.opt, k, None)) for k in (  # as the optimizer holds them
             "mode", "accumulate_while_communicating", "microbatches_per_update", "compute_dtype", "accumulation_dtype",
-            "reduce_dtype", "estimate_dtype", "estimate_extrapolation", "delay_correction")}
+            "reduce_dtype", "estimate_dtype", "estimate_extrapolation", "delay_correction", "compression_in_use")}
+        auto = runner.opt._runtime.auto  # compression="auto": what it measured and predicted
+        if auto is not None and auto.measured is not None:
+            record["auto"] = {"chose": auto.decided, "measured": dataclasses.asdict(auto.measured),
+                              "predicted_update_s": auto.predicted}
     maxrss = torch.tensor([resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024], dtype=torch.float64)
     rss = [torch.zeros_like(maxrss) for _ in range(world)]
     dist.all_gather(rss, maxrss)

@@ -199,6 +199,7 @@ def update_run(
     compression_weights: bool = True,
     divide_by_ranks: bool = True,
     segments: Optional[List[torch.Tensor]] = None,
+    compression_from: int = 0,
 ):
     """One ``step()`` per update of ``m`` micro-batches per rank (``algorithm.md``, "Hand-offs in the user's loop").
 
@@ -219,7 +220,9 @@ def update_run(
     ``compression``: each rank's sum travels :func:`quantized`, the ranks' dequantized sums added in rank order;
     a commit's sum first takes the rank's residual, which becomes what its quantization dropped (the estimate's
     has none); and a round's weights arrive as the model's weights during the round plus the quantized change
-    (``compression_weights=False``: exactly). ``segments``: the flat vectors the library quantizes, as indices
+    (``compression_weights=False``: exactly). ``compression_from``: the first update that compresses
+    (``compression="auto"``'s switch, from a zero residual); the updates before it travel uncompressed, with
+    ``estimate_dtype``. ``segments``: the flat vectors the library quantizes, as indices
     into the flattened model (its tensors in order), each cut into ``n_ranks`` chunks of its own: on a mesh, one
     per FSDP2 shard, its parameters' local pieces in order (default: the whole model, one vector). The average
     multiplies the ranks' sum by ``1/n_ranks`` (an estimate's by ``m/(h n_ranks)``;
@@ -259,23 +262,23 @@ def update_run(
     def trip(x: torch.Tensor) -> torch.Tensor:
         """The flat ``x`` through the 8-bit trip, each of ``segments`` on its own."""
         if segments is None:
-            return quantized(x, compression, compression_block, n_ranks)
+            return quantized(x, active, compression_block, n_ranks)
         out = torch.full_like(x, float("nan"))  # an index no segment covers shows as NaN
         for idx in segments:
-            out[idx] = quantized(x[idx], compression, compression_block, n_ranks)
+            out[idx] = quantized(x[idx], active, compression_block, n_ranks)
         return out
 
     def arrived(weights: Tensors, reference: Tensors) -> Tensors:
         """A round's weights as every rank gets them: exactly, or (compression) the weights every rank held
         during the round plus the 8-bit trip of the change, per owner's chunk, in fp32."""
-        if compression is None or not compression_weights:
+        if active is None or not compression_weights:
             return [w.detach().clone() for w in weights]
         ref = _flat(reference)
         return _unflat(ref + trip(_flat(weights) - ref), reference)
 
     def travelled(accum: Tensors, commit: bool) -> Tensors:
         """The ranks' sum as the round sums it: ``accum`` itself, or each rank's through the 8-bit trip."""
-        if compression is None:
+        if active is None:
             return accum
         total = None
         for r in range(n_ranks):
@@ -294,23 +297,25 @@ def update_run(
         own[:] = [[torch.zeros_like(x) for x in theta] for _ in range(n_ranks)]
         seen[:] = [False] * len(theta)
         synchronous = t < synchronous_updates or (learned and t == 0)
+        active = compression if t >= compression_from else None  # the update's wire format
+        narrow = estimate_dtype if active is None else None
         if mode == "acco" and not synchronous:
-            if estimate_dtype is None:
+            if narrow is None:
                 accumulate(accum, h)
                 first = travelled(accum, commit=False)
             else:  # per rank, then summed over ranks in estimate_dtype
                 accumulate(accum, h)
                 first = None
                 for r in range(n_ranks):
-                    low = [o.to(estimate_dtype) for o in own[r]]
+                    low = [o.to(narrow) for o in own[r]]
                     first = low if first is None else [f + x for f, x in zip(first, low)]
                 first = [f.to(theta[0].dtype) for f in first]
             if pending is not None:  # hand-off of the estimate: theta_t into the model
                 model, pending = [x.clone() for x in pending], None
             estimate = _opt_star(opt, make_opt, theta, clipped([a * (m / (h * ranks)) for a in first], max_grad_norm),
                                  estimate_extrapolation, list(seen))
-            if estimate_dtype is not None:  # the change against the weights every rank holds (theta_t), cast
-                estimate = [r + (x - r).to(estimate_dtype).to(theta[0].dtype) for x, r in zip(estimate, model)]
+            if narrow is not None:  # the change against the weights every rank holds (theta_t), cast
+                estimate = [r + (x - r).to(narrow).to(theta[0].dtype) for x, r in zip(estimate, model)]
             accumulate(accum, m - h)
             model = arrived(estimate, model)  # step(): theta~_{t+1} into the model, the commit in flight
             _opt_step(opt, theta, clipped([a * (1.0 / ranks) for a in travelled(accum, True)], max_grad_norm),

@@ -25,7 +25,7 @@ LAYERS = {
     4: ["options", "buffers", "progress", "state.pieces", "state.legacy"],
     3: ["rounds", "_validation", "state.checksums", "policies", "state.residual", "compressed"],
     2: ["wrapped", "scheduler", "mesh", "grads", "session", "hooks", "state.format", "introspection",
-        "integrations._given", "round_checks", "precision", "transport"],
+        "integrations._given", "round_checks", "precision", "transport", "auto"],
     1: ["modes", "errors", "device_api", "placement", "arrivals", "functional", "snapshot", "collectives",
         "agreement", "amp", "ddp", "stats", "launch", "shard_buffers", "torch_hooks", "quantize"],
 }

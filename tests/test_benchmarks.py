@@ -162,7 +162,8 @@ def test_memory_smoke(tmp_path):
                                "microbatches_per_update": "2", "compute_dtype": "torch.bfloat16",
                                "accumulation_dtype": "torch.float32", "reduce_dtype": "torch.float32",
                                "estimate_dtype": "None", "estimate_extrapolation": "1.2",  # AdamW: "auto" is 1.2
-                               "delay_correction": "0.0"}  # mode dpu's option, recorded for every method
+                               "delay_correction": "0.0",  # mode dpu's option, recorded for every method
+                               "compression_in_use": "None"}  # the rounds' format (compression="auto" chooses it)
     # one timed update: the estimate round carries its first micro-batch, the commit round both
     assert [(x["kind"], x["local_microbatches"]) for x in acco["rounds"]] == [("estimate", 1), ("commit", 2)]
     assert acco["microbatches"] == 4 and acco["tokens_per_s"] > 0

@@ -154,7 +154,7 @@ def test_int4_packs_two_elements_a_byte():
 
 
 @pytest.mark.parametrize("options,error,words", [
-    ({"compression": "int2"}, ValueError, "compression must be None, 'int8', 'fp8' or 'int4'"),
+    ({"compression": "int2"}, ValueError, "compression must be None, 'int8', 'fp8', 'int4' or 'auto'"),
     ({"compression": "int8", "compression_block": 0}, ValueError, "compression_block must be an int >= 1"),
     ({"compression": "int8", "compression_weights": 1}, TypeError, "compression_weights must be True or False"),
     ({"compression": "int8", "reduce_dtype": torch.bfloat16}, ValueError, "Drop reduce_dtype"),

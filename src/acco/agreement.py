@@ -68,7 +68,7 @@ def fingerprints(param_groups: List[Dict[str, Any]], options: Sequence[Tuple[str
 
 COLLECTIVE_CALLS = ("AccoOptimizer(...) construction", "step() (the first update)", "finish()",
                     "load_state_dict() / acco.checkpoint.load()", "acco.checkpoint.save()", "acco.checkpoint.gather()",
-                    "consolidated_state_dict()")
+                    "consolidated_state_dict()", "step() (compression='auto' choosing its format)")
 # The calls made between updates, after the rounds: each first meets, on the rounds' group, a rank still in a round.
 CALLS_AFTER_ROUNDS = COLLECTIVE_CALLS[2:]
 

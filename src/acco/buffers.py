@@ -23,6 +23,7 @@ No collective here; device work only (copies, zeroing).
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Dict, List, Optional, Sequence
 
 import torch
@@ -84,8 +85,20 @@ class FlatBuffers:
         self._grad_is_sum = self.grads is self.accum or self.fold_on_arrival
         self.shard = _shard_buffers(self.comm, self.comm_weights, master, layout, len(self.params), cd, rd,
                                     collectives)
-        # the wire format, chosen once: it owns its buffers, packing, collectives and unpacking (transport.py)
+        # the wire format, chosen once (compression="auto": replaced once more, auto.py): it owns its buffers,
+        # packing, collectives and unpacking (transport.py)
+        self.precision = precision
         self.transport = choose_transport(precision, layout, rank, self.params, self.comm, self.comm_views)
+
+    def build_transport(self, kind: str) -> Transport:
+        """The transport of ``compression="auto"``'s choice: ``"none"`` (the uncompressed rounds), or ``kind``
+        quantized with this run's block and weights settings. Allocates its buffers (zero); no collective."""
+        pr = self.precision
+        if kind == "none":  # the rounds as compression=None sends them
+            return choose_transport(dataclasses.replace(pr, compression=None), self.layout, self.rank, self.params,
+                                    self.comm, self.comm_views)
+        return Quantized(kind, pr.compression_block, pr.compression_weights, self.layout, self.rank,
+                         pr.accumulation_dtype, self.params, self.comm_views)
 
     @property
     def master(self) -> torch.Tensor:
@@ -268,8 +281,8 @@ def choose_transport(precision: Any, layout: Layout, rank: int, params: List[tor
     """The round's wire format, from the resolved ``PrecisionPolicy``, once: ``compression`` (quantized blocks,
     ``compressed.Quantized``), else ``estimate_dtype`` (the estimate in that dtype through ``comm``'s bytes,
     ``transport.NarrowEstimate``), else the round buffer as it is (``transport.FullWidth``). Allocates the
-    transport's buffers (zero); no collective."""
-    if precision.compression is not None:
+    transport's buffers (zero); no collective. ``compression="auto"`` starts without compression."""
+    if precision.compression not in (None, "auto"):
         return Quantized(precision.compression, precision.compression_block, precision.compression_weights, layout,
                          rank, precision.accumulation_dtype, params, views)
     if precision.estimate_dtype is not None:

@@ -10,6 +10,7 @@ failure that ends training. It does not decide *when* a round is handed off
 
 from __future__ import annotations
 
+import statistics
 from collections import OrderedDict, deque
 from dataclasses import replace
 from typing import Any, Callable, Dict, List, Optional, Tuple
@@ -60,6 +61,10 @@ class RoundDriver:
         # and delay_correction's copy of the slice: allocated on the default stream, written by the side stream
         self._round_tensors = flat.round_tensors() + [t for t in (ctx.delay_scratch,) if t is not None]
         self.commit_hooks: "OrderedDict[int, Callable[[], None]]" = OrderedDict()  # register_commit_hook
+        # compression="auto" (auto.py): a stamp at each commit hand-off below ``stamp_upto`` (commits handed off
+        # before it), with the rounds collected and handed off by then: the window it measures
+        self.stamp_upto = 0
+        self.stamps: Dict[int, Tuple[Any, int, int]] = {}
 
     def check_not_failed(self) -> None:
         if self.failed is not None:
@@ -71,6 +76,11 @@ class RoundDriver:
                 delay_correction: float = 0.0, unscale: Optional[torch.Tensor] = None) -> None:
         """Start round ``kind`` on the gradients accumulated so far, with ``progress.update_hyper``
         (``delay_correction``: the error feedback's ``c`` for this commit, 0 for none; ``unscale``: 1/loss scale)."""
+        commits = self.progress.commits_handed_off
+        if kind is RoundKind.COMMIT and commits < self.stamp_upto:  # the end of an update's compute, before waiting
+            # (rounds collected, and the history index of the next round handed off: the one in flight is before it)
+            collected = self._collected()
+            self.stamps[commits] = (self.scheduler.stamp(), collected, collected + int(self.scheduler.in_flight))
         self.collect()
         # Round k's hand-off first reads round k-2's report: every rank raises a device-found error at the same
         # hand-off, before issuing round k, so no rank is left in a collective its peers never issue.
@@ -95,6 +105,42 @@ class RoundDriver:
             return []
         return (self._round_tensors + [v for g in hyper for v in g.values() if torch.is_tensor(v)]
                 + self.ctx.wrapped.state_tensors())
+
+    def switch_transport(self, transport: Any) -> None:
+        """Send the rounds handed off from now on in ``transport`` (``compression="auto"``'s choice). Taken
+        between updates: the round in flight, if any, is a commit that keeps the transport it was handed (its
+        context holds it), and a commit's weights are installed alike by every transport. No collective."""
+        if self.progress.pending is RoundKind.ESTIMATE or self.progress.estimate_in_update:
+            raise AssertionError("switch_transport inside an update")
+        self.flat.transport = transport
+        self.ctx = replace(self.ctx, transport=transport)
+        self._round_tensors = self.flat.round_tensors() + [t for t in (self.ctx.delay_scratch,) if t is not None]
+
+    def _collected(self) -> int:
+        """Rounds collected so far (the history's next index)."""
+        return self.history[-1].index + 1 if self.history else 0
+
+    def measure_updates(self, first: int, last: int) -> Optional[Any]:
+        """What the updates after commit hand-off ``first`` up to commit hand-off ``last`` (counted from 0) took
+        on this rank (``auto.Measurement``): their compute per update, the time between the two stamps less the
+        waits for the rounds collected between them; and the median round of each kind among those handed off
+        after the first stamp (collect the round in flight first: it is one of them). None without both stamps
+        (a run resumed in between). CUDA: the host waits for the second stamp once (the window's events)."""
+        from .auto import Measurement  # noqa: PLC0415 (auto.py is the one reader)
+
+        if first not in self.stamps or last not in self.stamps:
+            return None
+        (start, lo, handed), (end, hi, _) = self.stamps[first], self.stamps[last]
+        elapsed = self.scheduler.seconds_between(start, end)
+        records = [r.as_dict() for r in self.history if r.index >= min(lo, handed)]
+        waits = sum(r["wait_s"] or 0.0 for r in records if lo <= r["round"] < hi)
+        rounds = {k: [r["round_s"] for r in records if r["round"] >= handed and r["kind"] == k
+                      and r["round_s"] is not None] for k in ("estimate", "commit")}
+        if not rounds["commit"]:
+            return None
+        return Measurement(max(elapsed - waits, 0.0) / (last - first),
+                           statistics.median(rounds["estimate"]) if rounds["estimate"] else None,
+                           statistics.median(rounds["commit"]))
 
     # ------------------------------------------------------------ collection
 

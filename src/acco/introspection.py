@@ -50,6 +50,13 @@ class Introspection:
         return self._runtime.progress.commits_handed_off
 
     @property
+    def compression_in_use(self) -> Optional[str]:
+        """The rounds' wire format now: ``None`` (uncompressed) or a kind; with ``compression="auto"``, its
+        choice once made (``None`` before it, or when it keeps the rounds uncompressed)."""
+        transport = self._runtime.flat.transport
+        return getattr(transport, "kind", None)
+
+    @property
     def holds_committed_weights(self) -> bool:
         """Whether the model's parameters are committed weights (not an estimate theta~)."""
         return not self._runtime.progress.holds_estimate

@@ -49,6 +49,7 @@ class LoopContext:
     lr_schedulers: List[Any]  # attached schedulers, stepped at each commit (the optimizer's list, shared)
     model_buffers: List[torch.Tensor]  # buffers= : the first rank's, at each commit
     loss_scale: Any  # what the optimizer knows of a GradScaler (amp.LossScale): the rounds' 1/scale
+    auto: Any = None  # compression="auto" (auto.AutoCompression): decides at an update's first hand-off
 
 
 def check_weights_kept(c: LoopContext) -> None:
@@ -103,9 +104,19 @@ class UpdateLoop:
             c.session.check_open()
             check_weights_kept(c)
             p.take_hyper(snapshot_hyperparams(c.param_groups))  # both rounds of one update use the same
+            self._maybe_choose_format()
             c.driver.handoff(RoundKind.ESTIMATE, p.mb_in_update, m / (p.mb_in_update * ranks_divisor(c)),
                              unscale=c.loss_scale.for_estimate())
             p.estimate_handed_off()
+
+    def _maybe_choose_format(self) -> None:
+        """At an update's first hand-off (no estimate in flight): ``compression="auto"`` decides once its window
+        is measured (auto.py). Collective on the control group then, on every rank at the same update."""
+        c = self.ctx
+        if c.auto is not None and c.auto.due(c.progress.commits_handed_off):
+            m = c.progress.microbatches_per_update
+            share = self.estimate_at(m) / m if c.options.estimates and m else 0.5
+            c.auto.decide(c.driver, c.session, share)
 
     def estimate_at(self, m: int) -> int:
         """The micro-batches of an update before its estimate's hand-off (the first "half", or
@@ -161,6 +172,7 @@ class UpdateLoop:
             synchronous = True  # a short update (fewer micro-batches than the estimate's): no estimate, no overlap
         if not p.estimate_in_update:
             p.take_hyper(snapshot_hyperparams(c.param_groups))
+            self._maybe_choose_format()
         # The error feedback corrects a step taken from a stale gradient: not a synchronous update's.
         c.driver.handoff(RoundKind.COMMIT, m, 1.0 / ranks_divisor(c),
                          0.0 if synchronous else c.options.delay.delay_correction,

@@ -127,6 +127,11 @@ def check_arguments(*, mode: Any, optimizer_class: Any, placement: Any, assume_e
     mode = Mode.parse(mode)
     handoff = policies["handoff"].checked(mode, microbatches_per_update)
     elastic = handoff.accumulate_while_communicating
+    if elastic and policies["precision"].compression == "auto":
+        raise ValueError(
+            "compression='auto' with accumulate_while_communicating=True: auto compares a round with the compute "
+            "of the micro-batches it hides behind, and this loop sets those by the round itself. Choose the format "
+            "yourself (compression='int8' or 'int4' on a slow link, None on a fast one; acco-probe predicts both)")
     return Options(mode=mode, optimizer_class=optimizer_class, placement=placement, handoff=handoff,
                    robustness=policies["robustness"].checked(),
                    delay=policies["delay"].checked(mode, microbatches_per_update, elastic),

@@ -23,6 +23,7 @@ import torch
 
 from . import precision as P
 from .modes import Mode
+from .auto import AUTO
 from .quantize import KINDS
 
 __all__ = ["ACCO_NEEDS_TWO", "AUTO_EXTRAPOLATION", "DelayPolicy", "HandoffPolicy", "POLICIES", "PrecisionPolicy",
@@ -311,7 +312,10 @@ class PrecisionPolicy:
         "residual, a gradient-sized buffer in the accumulation dtype (checkpointed), so what a commit round's "
         "quantization drops is sent with the next one; the estimate round quantizes without feedback. `None`: "
         "the gradients travel in `reduce_dtype` ([algorithm](algorithm.md#compressed-rounds)). With it, "
-        "`estimate_dtype` and `reduce_dtype` stay unset."))
+        "`estimate_dtype` and `reduce_dtype` stay unset. `\"auto\"`: chosen once from the run's own rounds after its "
+        "first updates: none, int8 or int4, the fewest bits that hide the round, where it is the link's "
+        "([compression](compression.md#chosen-from-the-link-auto)); until then, and when it keeps none, `estimate_dtype` "
+        "applies (`reduce_dtype` stays unset)."))
     compression_block: int = option(256, "`256`", (
         "With `compression`: the elements that share one scale (each 4 bytes more per block: 1.6% of the "
         "payload at 256). Smaller blocks follow the gradient's range more closely."))
@@ -329,7 +333,7 @@ class PrecisionPolicy:
         compute = self.compute_dtype or param_dtype
         accumulation = P.check_accumulation_dtype(self.accumulation_dtype, compute)
         reduce = P.check_reduce_dtype(self.reduce_dtype, accumulation, compute)
-        if self.compression is None:
+        if self.compression in (None, AUTO):  # auto starts, and may stay, without compression
             estimate = P.resolve_estimate_dtype(self.estimate_dtype, mode, compute, reduce, world_size)
         else:
             estimate = None
@@ -338,9 +342,9 @@ class PrecisionPolicy:
 
     def _check_compression(self) -> None:
         kind, block = self.compression, self.compression_block
-        if kind is not None and kind not in KINDS:
-            *others, last = map(repr, KINDS)
-            raise ValueError(f"compression must be None, {', '.join(others)} or {last} (quantize.KINDS), got {kind!r}")
+        if kind is not None and kind != AUTO and kind not in KINDS:
+            raise ValueError(f"compression must be None, {', '.join(map(repr, KINDS))} or {AUTO!r} (the kinds of "
+                             f"quantize.KINDS, or chosen from the link), got {kind!r}")
         if not _is_int(block, 1):
             raise ValueError(f"compression_block must be an int >= 1 (elements per scale), got {block!r}")
         if not isinstance(self.compression_weights, bool):
@@ -348,10 +352,11 @@ class PrecisionPolicy:
         if kind is None:
             return
         if self.reduce_dtype is not None:
+            travel = "the kind it chooses" if kind == AUTO else kind
             raise ValueError(f"reduce_dtype={self.reduce_dtype} with compression={kind!r}: the gradients travel in "
-                             "{kind} and are summed in fp32 by their owner. Drop reduce_dtype")
-        if self.estimate_dtype is not None and not (isinstance(self.estimate_dtype, str)
-                                                    and self.estimate_dtype == "auto"):
+                             f"{travel} and are summed in fp32 by their owner. Drop reduce_dtype")
+        explicit_estimate = not (isinstance(self.estimate_dtype, str) and self.estimate_dtype == "auto")
+        if kind != AUTO and self.estimate_dtype is not None and explicit_estimate:
             raise ValueError(f"estimate_dtype={self.estimate_dtype} with compression={kind!r}: the estimate round is "
                              "compressed like the commit. Drop estimate_dtype")
 

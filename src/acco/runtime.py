@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from . import _validation as V
-from . import agreement, device_api, hooks, mesh
+from . import agreement, auto, device_api, hooks, mesh
 from . import ddp as _ddp
 from .amp import LossScale
 from .buffers import FlatBuffers
@@ -42,7 +42,7 @@ from .scheduler import StreamScheduler
 from .session import Session
 from .state import consolidated as state_consolidated
 from .state import io as state_io
-from .state.format import FORMAT_VERSION, IMPLEMENTATION_FLAGS, StateOwners, describe_weights
+from .state.format import FORMAT_VERSION, IMPLEMENTATION_FLAGS, StateOwners
 from .wrapped import WrappedOptimizers, class_name, placement_cost, placement_of
 
 __all__ = ["Groups", "Runtime"]
@@ -164,6 +164,11 @@ class Runtime:
         self.driver = RoundDriver(self._round_context(counts), self.scheduler, self.progress, self.flat, self.rank,
                                   self.world_size)
         self.groups.rounds = self.groups.model = None  # the driver's now (it releases them)
+        # compression="auto": its decision's one owner (auto.py), else None; the driver stamps the window it measures
+        self.auto = auto.make(pr, self.layout, self.world_size, o.mode, o.delay.synchronous_updates,
+                              self.flat.build_transport, device)
+        if self.auto is not None:
+            self.driver.stamp_upto = self.auto.decide_at
         # The agreement exchange, the lifecycle flags and the committed-weights view: one owner that the loop and
         # the state code are handed by reference.
         self.session = Session(user, self.groups.control, self.groups.control_device, self.driver)
@@ -173,7 +178,7 @@ class Runtime:
             layout=self.layout, rank=self.rank, world_size=self.world_size, flat=self.flat, wrapped=self.wrapped,
             progress=self.progress, driver=self.driver, scheduler=self.scheduler, param_groups=param_groups,
             describe=self.describe(), session=self.session, process_group=user,
-            check_microbatches=o.check_microbatches, loss_scale=self.loss_scale)
+            check_microbatches=o.check_microbatches, loss_scale=self.loss_scale, auto=self.auto)
         self.loop = self._make_loop()
         self._ddp_checked = False
         self._backward_queued = -1  # id of the autograd graph task whose end-of-backward callback is queued
@@ -245,7 +250,8 @@ class Runtime:
         ctx = LoopContext(
             options=o, world_size=self.world_size, progress=self.progress, driver=self.driver, flat=self.flat,
             round_done=round_done, session=self.session, param_groups=self.param_groups,
-            lr_schedulers=self.lr_schedulers, model_buffers=self.model_buffers, loss_scale=self.loss_scale)
+            lr_schedulers=self.lr_schedulers, model_buffers=self.model_buffers, loss_scale=self.loss_scale,
+            auto=self.auto)
         return ElasticLoop(ctx) if o.handoff.accumulate_while_communicating else UpdateLoop(ctx)
 
     def describe(self) -> Dict[str, Any]:
@@ -253,8 +259,7 @@ class Runtime:
         classes = list(dict.fromkeys(self.classes))
         out = {"format": FORMAT_VERSION, "mode": self.options.mode.value,
                "optimizer": "+".join(class_name(c) for c in classes), "layout": self.layout.describe(),
-               "dtypes": f"compute {self.options.precision.compute_dtype}, master {self.flat.master.dtype}",
-               "weights": describe_weights(self.options.precision)}  # how its committed weights travelled
+               "dtypes": f"compute {self.options.precision.compute_dtype}, master {self.flat.master.dtype}"}
         if self.shards.any:  # the placements and this rank's model shard: another shard's state is refused
             out["mesh"] = f"{self.shards.describe()} as {self.shards.shard_name()}"
         return out
@@ -332,7 +337,7 @@ class Runtime:
             raise NotImplementedError(
                 "AccoOptimizer with a GradScaler on DTensor parameters (FSDP2, tensor parallelism) is not supported "
                 "yet: train in bf16 (no loss scaling; torchtitan's default), or without DTensor parameters")
-        if self.options.precision.compression is not None:
+        if self.options.precision.compression is not None:  # "auto" too: it may switch to a kind mid-run
             raise NotImplementedError(
                 f"AccoOptimizer(compression={self.options.precision.compression!r}) with a GradScaler is not "
                 "supported yet: the error feedback's residual would carry one update's loss scale into the next. "

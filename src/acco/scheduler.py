@@ -273,6 +273,23 @@ class StreamScheduler:
         event.record(self._api.current_stream(self.device))  # compute stream: after the work issued so far
         return event
 
+    def stamp(self) -> Any:
+        """A point in the compute side's time: CPU, the host clock; CUDA, an event recorded now on the compute
+        stream (the work issued so far). :meth:`seconds_between` reads two."""
+        if not self.uses_streams:
+            return HostTiming.now()
+        event = self._api.Event()
+        event.record(self._api.current_stream(self.device))  # compute stream: after the work issued so far
+        return event
+
+    def seconds_between(self, start: Any, end: Any) -> float:
+        """Seconds from stamp ``start`` to stamp ``end``. CUDA: the host waits for ``end`` (a rare read: once
+        per run for ``compression="auto"``)."""
+        if not self.uses_streams:
+            return end - start
+        self.host_wait(end)  # host waits for the compute stream to pass the later stamp
+        return start.elapsed_time(end) / 1e3
+
     def host_wait(self, event: Any) -> None:
         """Block the host until ``event`` (of a round issued earlier) has completed; count it in
         ``host_waits`` when it had not (a host running ahead of the device). CPU: nothing to wait for."""

@@ -83,7 +83,8 @@ class AccoSettings:
     estimate_extrapolation: str = "auto"
     """"auto" or a number ("1.0": the paper's step)."""
     compression: str = "none"
-    """"none", "int8", "fp8" or "int4": quantized rounds with error feedback (docs/compression.md)."""
+    """"none", "int8", "fp8", "int4" or "auto" (chosen from the link): quantized rounds with error feedback
+    (docs/compression.md)."""
     compression_block: int = 256
     synchronous_updates: int = 0
     nonfinite: str = "skip"

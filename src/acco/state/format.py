@@ -39,7 +39,7 @@ from ..errors import ShardOfAnotherRankError
 
 __all__ = ["AccoStateDict", "FORMAT_VERSION", "PER_RANK_SECTIONS", "PIECE_SECTIONS", "empty_sections", "GATHERED", "ShardOfAnotherRankError", "SHARD_FIX", "IMPLEMENTATION_FLAGS", "StateOwners", "check_compatible", "classify",
            "decode_meta", "encode_meta", "hyper_entries", "own_entry", "piece_key", "parse_piece_key",
-           "restore_hyper", "describe_weights", "weights_codec"]
+           "restore_hyper", "describe_weights", "describe_wire", "weights_codec"]
 
 FORMAT_VERSION = 3
 # The per-piece sections of a state dict (format 3), in this order wherever they are written or read.
@@ -79,6 +79,7 @@ class StateOwners:
     # Options.check_microbatches: refuses a loaded microbatches_per_update the options cannot run with
     check_microbatches: Any = None
     loss_scale: Any = None  # what the optimizer knows of a GradScaler (amp.LossScale): its scale is saved
+    auto: Any = None  # compression="auto" (auto.AutoCompression): its choice is saved and taken back
 
 
 NOT_A_TORCH_STATE = (
@@ -132,13 +133,23 @@ def parse_piece_key(key: str) -> tuple:
 # ------------------------------------------------------------------ description
 
 
-def describe_weights(policy: Any) -> str:
-    """How a round's weights travel, for a state's description (``"weights"``): ``"exact"``, or
-    ``"KIND block B"`` with compressed weights. The committed weights a checkpoint holds are rebuilt at a load
-    the way they travelled, whatever the loading optimizer's own settings (``compression`` may change)."""
-    if policy.compression is None or not policy.compression_weights:
+def describe_weights(codec: Optional[Tuple[str, int]]) -> str:
+    """How the rounds' weights travel now (``codec``: the transport's ``weights_codec``), for a state's
+    description (``"weights"``): ``"exact"``, or ``"KIND block B"`` with compressed weights. The committed
+    weights a checkpoint holds are rebuilt at a load the way they travelled, whatever the loading optimizer's
+    own settings (``compression`` may change)."""
+    if codec is None:
         return "exact"
-    return f"{policy.compression} block {policy.compression_block}"
+    return f"{codec[0]} block {codec[1]}"
+
+
+def describe_wire(owners: "StateOwners") -> Dict[str, Any]:
+    """The description's entries that the run's rounds set (a state is saved with them): how the committed
+    weights travelled, and ``compression="auto"``'s choice so far (``"undecided"`` before it)."""
+    out = {"weights": describe_weights(owners.flat.transport.weights_codec)}
+    if owners.auto is not None:
+        out["auto"] = owners.auto.decided or "undecided"
+    return out
 
 
 def weights_codec(text: Optional[str]) -> Optional[Tuple[str, int]]:

@@ -25,6 +25,7 @@ from .format import (
     check_compatible,
     classify,
     decode_meta,
+    describe_wire,
     encode_meta,
     hyper_entries,
     own_entry,
@@ -68,10 +69,11 @@ def state_dict(owners: StateOwners, sharded: bool = False) -> Dict[str, Any]:
     if scale is not None:
         out["loss_scale"] = torch.tensor(scale, dtype=torch.float64)
     out.update(state_residual.entries(owners, sharded))  # compression: this rank's error feedback
+    described = {**owners.describe, **describe_wire(owners)}
     if sharded:
-        out["meta"] = encode_meta(owners.describe)
+        out["meta"] = encode_meta(described)
     else:
-        info = {**owners.describe, "rank": owners.rank, "world_size": owners.world_size}
+        info = {**described, "rank": owners.rank, "world_size": owners.world_size}
         out["checksums"] = checksums(_covered(out, info))
         out["acco"] = info
     return AccoStateDict(out)
@@ -247,7 +249,9 @@ def check_loadable(owners: StateOwners, sd: Dict[str, Any], restore_model: bool 
             except ValueError as exc:
                 raise ValueError(f"AccoOptimizer.load_state_dict(): {exc}. Nothing was loaded.") from None
         require_boundary(owners, "load_state_dict")
-        state_residual.check(owners, sd)
+        state_residual.check(owners, sd, info)
+        if owners.auto is not None:
+            owners.auto.saved_kind(info)  # a choice this acco knows
         if kind == "rank_shard" and not restore_model:
             check_model_matches(owners, saved, sd["counters"], info)
     except Exception as exc:  # whatever it is, every rank must hear of it before the load's collectives
@@ -279,6 +283,8 @@ def load_state_dict(owners: StateOwners, sd: Dict[str, Any], checked: bool = Fal
             all_gather_flat(flat.comm_weights, chunk, owners.session.collective_group())
     flat.reset()
     restore_hyper(owners.param_groups, sd["hyper"])
+    if owners.auto is not None:  # the saving run's format (compression="auto"), before its residual goes in
+        owners.auto.loaded(info, owners.driver)
     state_residual.restore(owners, sd)
     owners.progress.take_hyper(snapshot_hyperparams(owners.param_groups))
     if owners.loss_scale is not None:

@@ -32,6 +32,18 @@ def _residual(owners: Any) -> Optional[torch.Tensor]:
     return owners.flat.transport.residual
 
 
+def _expected(owners: Any, info: Dict[str, Any], device: Any = "meta") -> Optional[torch.Tensor]:
+    """The residual a load of a state described by ``info`` fills: this run's, or, with ``compression="auto"``,
+    one like the format the load takes (``AutoCompression.saved_kind``: the saving run's choice; on ``device``,
+    ``"meta"`` for its shape alone), None for none."""
+    auto = owners.auto
+    if auto is None:
+        return _residual(owners)
+    if auto.saved_kind(info) == "none":
+        return None
+    return _residual(owners) if _residual(owners) is not None else auto.residual_like(device)
+
+
 def entries(owners: Any, sharded: bool) -> Dict[str, Any]:
     """This rank's residual for its state dict (nothing without compression)."""
     residual = _residual(owners)
@@ -45,12 +57,12 @@ def _ranks(keys, head: str) -> set:
     return {k[len(head):] for k in keys if k.startswith(head)}
 
 
-def target(owners: Any, meta: Dict[str, Any], pre: str) -> Dict[str, Any]:
+def target(owners: Any, meta: Dict[str, Any], pre: str, info: Dict[str, Any]) -> Dict[str, Any]:
     """What a DCP load reads of the residuals: this rank's, where the checkpoint was saved on as many ranks.
     Raises :class:`CheckpointError` (on every rank alike: the metadata is the same) where some of the residuals
     the checkpoint's checksums list, one per rank that saved it, are not in it (a run without compression
-    ignores them)."""
-    residual = _residual(owners)
+    ignores them). ``info``: the checkpoint's description."""
+    residual = _expected(owners, info, device=None)  # DCP reads into it
     saved = _ranks(meta, f"{pre}{SECTION}.r")
     listed = _ranks(meta, f"checksums.{pre.replace('.', '/')}{SECTION}/r")
     if residual is not None and listed and saved != listed:
@@ -73,10 +85,11 @@ def _mine(owners: Any, sd: Dict[str, Any]) -> Any:
     return value.get(f"r{owners.rank}") if isinstance(value, dict) else value
 
 
-def check(owners: Any, sd: Dict[str, Any]) -> None:
+def check(owners: Any, sd: Dict[str, Any], info: Dict[str, Any]) -> None:
     """Refuse a saved residual this rank would take that is not one of this run's: another size, or holding
-    inf/NaN (a skipped update keeps the residual, so every later update would be skipped). Local."""
-    residual, value = _residual(owners), _mine(owners, sd)
+    inf/NaN (a skipped update keeps the residual, so every later update would be skipped). ``info``: the
+    state's description. Local."""
+    residual, value = _expected(owners, info), _mine(owners, sd)
     if residual is None or value is None:
         return
     where = f"AccoOptimizer.load_state_dict() on rank {owners.rank}"
@@ -93,7 +106,8 @@ def check(owners: Any, sd: Dict[str, Any]) -> None:
 
 
 def restore(owners: Any, sd: Dict[str, Any]) -> None:
-    """This rank's residual from ``sd``, zero when it holds none for this rank (see the module docstring)."""
+    """This rank's residual from ``sd``, zero when it holds none for this rank (see the module docstring).
+    ``compression="auto"`` has taken the saved format by now (``AutoCompression.loaded``)."""
     residual = _residual(owners)
     if residual is None:
         return

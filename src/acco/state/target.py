@@ -54,7 +54,7 @@ def load_target(owners: StateOwners, meta: Dict[str, Any], meta_keys: Dict[str, 
                            "meta": meta_template(meta_keys)}
     if pre + "loss_scale" in meta:
         out["loss_scale"] = torch.zeros((), dtype=torch.float64)
-    out.update(state_residual.target(owners, meta, pre))
+    out.update(state_residual.target(owners, meta, pre, info))
     for i, a in wanted(layout, rank, saved):
         key = f"{i}:{a}"
         for section in ("master", "params", "entries"):
