@@ -49,7 +49,7 @@ MIN_SAVING = 0.10  # of the uncompressed update's predicted time
 MIN_SAVING_S = 0.002
 
 
-def candidates(weights_bits: bool = True) -> List[str]:
+def candidates() -> List[str]:
     """The formats auto chooses among, most faithful first: none, then the kinds by falling bits (fp8 is int8's
     width with a coarser grid: not a candidate)."""
     kinds = sorted((k for k in KINDS if k != "fp8"), key=lambda k: -KINDS[k].bits)
@@ -236,7 +236,8 @@ class AutoCompression:
         try:
             mine = driver.measure_updates(self.measure_from - 1, self.decide_at - 1)
             if mine is not None:  # and the quantizers' time on this device, no round in flight
-                mine = dataclasses.replace(mine, codec_s=tuple((k, self.time_codec()[k]) for k in kinds))
+                codec = self.time_codec()  # every kind timed once
+                mine = dataclasses.replace(mine, codec_s=tuple((k, codec[k]) for k in kinds))
         except Exception as exc:  # every rank hears of it in the exchange, none waits in it alone
             error = exc
         width = 3 + len(kinds)
@@ -285,8 +286,7 @@ class AutoCompression:
 
     def loaded(self, info: Dict[str, Any], driver: Any) -> None:
         """After a load (no round in flight): the saving run's choice, or an open window from here."""
-        kind = self.saved_kind(info)
         if info.get("auto", "undecided") == "undecided":
             self.restart(driver.progress.commits_handed_off, driver)
         else:
-            self.take(kind, driver)
+            self.take(self.saved_kind(info), driver)
