@@ -129,6 +129,40 @@ def _clean(out: str) -> None:
 LOOP = os.path.join(HERE, "loop_script.py")
 
 
+def test_ctrl_c_while_waiting_keeps_the_round_in_flight():
+    """Ctrl-C while the training thread waits for a round (CPU path): the wait raises KeyboardInterrupt and the
+    round, still running on the worker, stays in flight, so that the exit lets it end before its group goes
+    (``settle`` waits for it). Dropped, the exit would find nothing in flight and release the group under it.
+    Deterministic: the round blocks until the test lets it go, and the interrupt is delivered during the wait."""
+    import threading
+
+    import torch
+
+    from acco.scheduler import StreamScheduler
+
+    sched, release = StreamScheduler(torch.device("cpu")), threading.Event()
+    sched.submit(lambda: release.wait(30) and "ended")
+
+    def interrupt(signum, frame):
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, interrupt)
+    timer = threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT))  # lands inside wait()
+    try:
+        timer.start()
+        with pytest.raises(KeyboardInterrupt):
+            sched.wait()
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGINT, previous)
+    assert sched.in_flight  # the round is still running: not forgotten
+    assert not sched.settle(timeout=0.2)  # the exit's wait sees it and is not done yet
+    release.set()
+    assert sched.settle(timeout=10.0)
+    assert sched.wait() == "ended"  # collected once it ended
+    sched.close()
+
+
 def test_return_from_main_without_finish():
     """The README's loop in a ``main()`` that returns: no finish(), no destroy_process_group(), a round in flight
     in modes acco, dpu and accumulate-while-communicating. Before the fix: 134 (SIGABRT) on every rank."""
