@@ -216,6 +216,53 @@ def test_auto_measures_the_link_and_chooses(seconds_per_byte, expected):
         assert r["transport"] == ("Quantized" if expected != "none" else "NarrowEstimate")
 
 
+def _shards_worker(rank: int, world: int) -> dict:
+    """FSDP2 inside a host (mesh['tp']), ACCO across hosts (mesh['dp']): two replica groups, one per shard. Each
+    measures its own window; here the second's compute is made ten times the first's."""
+    import dataclasses
+
+    from test_mesh import MLP
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    seen = []
+
+    def choose(measured, mode, share, sizes):
+        seen.append(measured)
+        return ("int8" if measured.compute_s > 0.5 else "none"), {k: 0.0 for k in sizes}
+
+    auto.choose = choose
+    torch.manual_seed(0)
+    model = MLP()
+    fully_shard(model, mesh=mesh["tp"])
+    opt = AccoOptimizer(model.parameters(), torch.optim.AdamW, microbatches_per_update=2, compression="auto",
+                        compression_block=4, process_group=mesh["dp"], **KW)
+    driver = opt._runtime.driver
+    measure = driver.measure_updates
+    shard = mesh.get_local_rank("tp")
+    driver.measure_updates = lambda a, b: dataclasses.replace(measure(a, b), compute_s=1.0 if shard else 0.1)
+    for t in range(5):
+        for j in range(2):
+            x = torch.randn(4, 5, generator=torch.Generator().manual_seed(100 * rank + 10 * t + j))
+            (model(x).square().mean() / 2).backward()
+        opt.step()
+        opt.zero_grad()
+    opt.finish()
+    return {"decided": opt._runtime.auto.decided, "in_use": opt.compression_in_use,
+            "compute": [m.compute_s for m in seen]}
+
+
+def test_the_replica_groups_of_every_shard_decide_as_one():
+    """With FSDP2 inside a host each shard's replicas form a rounds group of their own, and each measures its
+    own window. They decide from the slowest figures over all of them (an exchange on the model group), so
+    every rank runs the same format: here int8 everywhere, though the first shard's own figures say none."""
+    results = run_ranks(_shards_worker, 4, timeout=120)
+    for rank, r in enumerate(results):
+        assert r["decided"] == "int8" and r["in_use"] == "int8", (rank, r)
+        assert r["compute"] == [1.0], (rank, r)
+
+
 # ---------------------------------------------------------------- checkpoints
 
 

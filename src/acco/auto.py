@@ -229,7 +229,8 @@ class AutoCompression:
     def decide(self, driver: Any, session: Any, first_share: float) -> None:
         """Measure the window, agree on the slowest figures, choose, and have the driver switch now, between
         updates (``first_share``: mode acco, the share of an update's micro-batches before its estimate).
-        Collective on the control group (one exchange, once per run; again after a load that left it open)."""
+        Collective on the control group, then on the model group (DTensor parameters): one exchange each, once per
+        run (again after a load that left it open)."""
         driver.collect()  # the last commit of the window: its round is one of the samples
         kinds = [k for k in self.sizes if k != NONE]
         error, mine = None, None
@@ -244,14 +245,20 @@ class AutoCompression:
         row = [-2] * width if error is not None else mine.as_row() if mine is not None else [-1] * width
         rows = session.gather_row(row, "step() (compression='auto' choosing its format)")
         failed = [r for r, row in enumerate(rows) if row[0] == -2]
-        if failed:
-            raise RuntimeError(f"compression='auto' could not measure its window on rank(s) {failed}: "
+        anew = min(r[0] for r in rows) < 0  # a rank without the window's stamps (resumed inside it)
+        # The replica groups of the model's other shards (FSDP2, tensor parallel inside a host) decide as one:
+        # the worst outcome (2 failed, 1 measure anew) and the slowest figures over all of them.
+        status, *slowest = driver.max_over_shards(
+            [2 if failed else 1 if anew else 0, *([0] * width if anew else Measurement.slowest(rows, kinds).as_row())])
+        if status == 2:
+            where = f"rank(s) {failed} of this replica group" if failed else "a rank of another shard's replicas"
+            raise RuntimeError(f"compression='auto' could not measure its window on {where}: "
                                f"{error or 'see that rank'}") from error
         driver.stamps.clear()
-        if min(r[0] for r in rows) < 0:  # a rank without the window's stamps (resumed inside it): measure anew
+        if status == 1:  # measure anew, every rank
             self.restart(driver.progress.commits_handed_off, driver)
             return
-        self.measured = Measurement.slowest(rows, kinds)
+        self.measured = Measurement.slowest([slowest], kinds)
         kind, self.predicted = choose(self.measured, self.mode, first_share, self.sizes)
         x = self.measured.commit_s / max(self.measured.compute_s / 2, 1e-12)
         log.info("acco: compression='auto' chose %s: per update %.3f s of compute, an exact round %.3f s "

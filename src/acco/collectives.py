@@ -15,6 +15,7 @@ import torch.distributed as dist
 
 __all__ = [
     "all_gather_flat",
+    "all_reduce_max",
     "all_reduce_sum",
     "connect",
     "destroy_spare_round_groups",
@@ -226,6 +227,12 @@ def ring_all_gather(flat: torch.Tensor, shard: torch.Tensor, group: dist.Process
     chunks[r].copy_(shard)
     for s in range(n - 1):
         _exchange(chunks[(r - s) % n], nxt, chunks[(r - s - 1) % n], prv, group)
+
+
+def all_reduce_max(t: torch.Tensor, group: Optional[dist.ProcessGroup]) -> None:
+    """The elementwise max of ``t`` over ranks, in place. Collective."""
+    if group is not None:
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
 
 
 def all_reduce_sum(t: torch.Tensor, group: Optional[dist.ProcessGroup]) -> None:

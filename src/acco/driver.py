@@ -20,7 +20,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .agreement import COLLECTIVE_CALLS, hyper_fingerprint, waiting_failed
 from .buffers import FlatBuffers
-from .collectives import release_round_group
+from .collectives import all_reduce_max, release_round_group
 from .progress import Progress
 from .rounds import (
     HyperParameterMismatchError,
@@ -115,6 +115,23 @@ class RoundDriver:
         self.flat.transport = transport
         self.ctx = replace(self.ctx, transport=transport)
         self._round_tensors = self.flat.round_tensors() + [t for t in (self.ctx.delay_scratch,) if t is not None]
+
+    def max_over_shards(self, row: List[int]) -> List[int]:
+        """The elementwise max of ``row`` over the model group (DTensor parameters: the ranks holding this rank's
+        other shards, whose rounds are other replica groups'), so that every shard's rounds take one decision;
+        ``row`` itself without a model group. Collective on the model group, issued where the rounds run (the
+        worker thread; CUDA: the side stream, after the rounds on it) with no round in flight."""
+        group = self.ctx.model_group
+        if group is None:
+            return list(row)
+        if self.scheduler.in_flight:
+            raise AssertionError("max_over_shards with a round in flight")
+        t = torch.tensor(row, dtype=torch.int64, device=self.scheduler.device)
+        self.scheduler.submit(lambda: all_reduce_max(t, group), uses=(t,))
+        self.scheduler.wait()  # compute stream waits for the exchange's end (CPU: the worker ran it)
+        # Host waits for the side stream's exchange before reading its result (CUDA; once per run).
+        self.scheduler.host_wait(self.scheduler.last_end_event)
+        return [int(v) for v in t.tolist()]
 
     def _collected(self) -> int:
         """Rounds collected so far (the history's next index)."""
