@@ -18,6 +18,7 @@ tokens, and one *update* = two micro-batches per rank:
                 per update after both micro-batches.
 * ``acco-int8`` / ``acco-fp8`` / ``acco-int4``  mode acco with ``compression="int8"`` / ``"fp8"`` / ``"int4"`` (both directions, error
                 feedback on the gradients; the estimate compressed like the commit).
+* ``acco-int8e4`` mode acco with ``compression="int8", estimate_compression="int4"`` (the estimate round in 4 bits).
 * ``acco-int8g`` mode acco with ``compression="int8", compression_weights=False`` (the gradients only).
 * ``acco-auto`` mode acco with ``compression="auto"`` (the library's default rounds until it chooses, after its
                 fourth update's first hand-off: time it with ``--warmup 4`` or more).
@@ -88,10 +89,11 @@ from acco.stats import nbytes, summarize  # noqa: E402
 
 import _launch  # noqa: E402  (this folder: the methods that run in one loop only)
 
-LIBRARY = ["acco", "acco-acc", "acco-int8", "acco-fp8", "acco-int4", "acco-int8g", "acco-auto", "dpu", "dpu-ef",
-           "sync"]
+LIBRARY = ["acco", "acco-acc", "acco-int8", "acco-fp8", "acco-int4", "acco-int8e4", "acco-int8g", "acco-auto", "dpu",
+           "dpu-ef", "sync"]
 COMPRESSED = {"acco-int8": dict(compression="int8"), "acco-fp8": dict(compression="fp8"),
               "acco-int4": dict(compression="int4"), "acco-auto": dict(compression="auto"),
+              "acco-int8e4": dict(compression="int8", estimate_compression="int4"),
               "acco-int8g": dict(compression="int8", compression_weights=False)}
 DDP = ["ddp", "ddp-fp16", "ddp-powersgd", "ddp-zero"]
 METHODS = LIBRARY + DDP + ["compute"]

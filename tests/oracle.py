@@ -200,6 +200,7 @@ def update_run(
     divide_by_ranks: bool = True,
     segments: Optional[List[torch.Tensor]] = None,
     compression_from: int = 0,
+    estimate_compression: Optional[str] = None,
 ):
     """One ``step()`` per update of ``m`` micro-batches per rank (``algorithm.md``, "Hand-offs in the user's loop").
 
@@ -222,7 +223,8 @@ def update_run(
     has none); and a round's weights arrive as the model's weights during the round plus the quantized change
     (``compression_weights=False``: exactly). ``compression_from``: the first update that compresses
     (``compression="auto"``'s switch, from a zero residual); the updates before it travel uncompressed, with
-    ``estimate_dtype``. ``segments``: the flat vectors the library quantizes, as indices
+    ``estimate_dtype``. ``estimate_compression``: the estimate round's kind (gradients and weights' change),
+    where it is not ``compression``'s. ``segments``: the flat vectors the library quantizes, as indices
     into the flattened model (its tensors in order), each cut into ``n_ranks`` chunks of its own: on a mesh, one
     per FSDP2 shard, its parameters' local pieces in order (default: the whole model, one vector). The average
     multiplies the ranks' sum by ``1/n_ranks`` (an estimate's by ``m/(h n_ranks)``;
@@ -259,31 +261,33 @@ def update_run(
                         seen[i] = True
                 nxt[r] += 1
 
-    def trip(x: torch.Tensor) -> torch.Tensor:
-        """The flat ``x`` through the 8-bit trip, each of ``segments`` on its own."""
+    def trip(x: torch.Tensor, commit: bool) -> torch.Tensor:
+        """The flat ``x`` through the quantized trip (the commit's kind or the estimate's), each of ``segments`` on
+        its own."""
+        kind = active if commit or estimate_compression is None else estimate_compression
         if segments is None:
-            return quantized(x, active, compression_block, n_ranks)
+            return quantized(x, kind, compression_block, n_ranks)
         out = torch.full_like(x, float("nan"))  # an index no segment covers shows as NaN
         for idx in segments:
-            out[idx] = quantized(x[idx], active, compression_block, n_ranks)
+            out[idx] = quantized(x[idx], kind, compression_block, n_ranks)
         return out
 
-    def arrived(weights: Tensors, reference: Tensors) -> Tensors:
+    def arrived(weights: Tensors, reference: Tensors, commit: bool = True) -> Tensors:
         """A round's weights as every rank gets them: exactly, or (compression) the weights every rank held
-        during the round plus the 8-bit trip of the change, per owner's chunk, in fp32."""
+        during the round plus the quantized trip of the change, per owner's chunk, in fp32."""
         if active is None or not compression_weights:
             return [w.detach().clone() for w in weights]
         ref = _flat(reference)
-        return _unflat(ref + trip(_flat(weights) - ref), reference)
+        return _unflat(ref + trip(_flat(weights) - ref, commit), reference)
 
     def travelled(accum: Tensors, commit: bool) -> Tensors:
-        """The ranks' sum as the round sums it: ``accum`` itself, or each rank's through the 8-bit trip."""
+        """The ranks' sum as the round sums it: ``accum`` itself, or each rank's through the quantized trip."""
         if active is None:
             return accum
         total = None
         for r in range(n_ranks):
             x = _flat(own[r]) + (residual[r] if commit else 0.0)
-            sent = trip(x)
+            sent = trip(x, commit)
             if commit:
                 residual[r] = x - sent
             total = sent if total is None else total + sent
@@ -317,7 +321,7 @@ def update_run(
             if narrow is not None:  # the change against the weights every rank holds (theta_t), cast
                 estimate = [r + (x - r).to(narrow).to(theta[0].dtype) for x, r in zip(estimate, model)]
             accumulate(accum, m - h)
-            model = arrived(estimate, model)  # step(): theta~_{t+1} into the model, the commit in flight
+            model = arrived(estimate, model, commit=False)  # step(): theta~_{t+1} into the model, the commit in flight
             _opt_step(opt, theta, clipped([a * (1.0 / ranks) for a in travelled(accum, True)], max_grad_norm),
                       seen)
             pending = arrived(theta, model)

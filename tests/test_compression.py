@@ -36,6 +36,13 @@ CONFIGS += [
     # the accumulate-while-communicating loop (step() after every micro-batch), one micro-batch a half in mode
     # acco: the default loop's update of two, with the rounds compressed alike
     ("sgd/acco/int8/awc", "sgd", "acco", 2, "int8", 16, {"awc": True}),
+    # the estimate round in a kind of its own (estimate_compression), gradients and weights' change alike
+    ("adamw/acco/int8/estimate-int4", "adamw", "acco", 2, "int8", 16, {"estimate_compression": "int4"}),
+    ("sgd/acco/int8/estimate-int4-m4-block7", "sgd", "acco", 4, "int8", 7, {"estimate_compression": "int4"}),
+    ("adamw/acco/int8/estimate-int4-gradients-only", "adamw", "acco", 2, "int8", 16,
+     {"estimate_compression": "int4", "compression_weights": False}),
+    ("sgd/acco/int4/estimate-int8", "sgd", "acco", 2, "int4", 16, {"estimate_compression": "int8"}),
+    ("sgd/acco/int8/awc-estimate-int4", "sgd", "acco", 2, "int8", 16, {"awc": True, "estimate_compression": "int4"}),
     ("adamw/acco/int8/awc-clipped", "adamw", "acco", 2, "int8", 16, {"awc": True, "max_grad_norm": 0.05}),
 ]
 # Mode acco with AdamW computes Opt* in functional.py, whose float operations round an ulp apart from torch's
@@ -81,7 +88,13 @@ def _worker(rank: int, world: int) -> dict:
             theta0, lambda ps: cls(ps, **kw), mode, scaled, world, UPDATES, m,
             synchronous_updates=options.get("synchronous_updates", 0), max_grad_norm=options.get("max_grad_norm"),
             delay_correction=options.get("delay_correction", 0.0), compression=kind, compression_block=block,
-            compression_weights=options.get("compression_weights", True))
+            compression_weights=options.get("compression_weights", True),
+            estimate_compression=options.get("estimate_compression"))
+        if options.get("estimate_compression"):  # the estimate's own kind is in the path: not the commit's
+            as_commit = update_run(
+                theta0, lambda ps: cls(ps, **kw), mode, scaled, world, UPDATES, m, compression=kind,
+                compression_block=block, compression_weights=options.get("compression_weights", True))[2]
+            out[name + ":as-commit"] = rel_err(flat(model), flat_list(as_commit))
         exact = update_run(theta0, lambda ps: cls(ps, **kw), mode, scaled, world, UPDATES, m,
                            synchronous_updates=options.get("synchronous_updates", 0),
                            max_grad_norm=options.get("max_grad_norm"),
@@ -110,6 +123,8 @@ def test_compressed_rounds_equal_the_oracle(world, name):
         assert r["step_err"] < TOL and r["final_err"] < TOL, (rank, name, r)
         assert r["vs_exact"] > 1e-4, (rank, name, r)
         assert r["residual"] > 0, r
+        if name + ":as-commit" in results:
+            assert results[name + ":as-commit"] > 1e-5, (rank, name, results[name + ":as-commit"])
 
 
 @pytest.mark.parametrize("kind,block", [("int8", 16), ("int8", 7), ("fp8", 16), ("fp8", 100), ("int4", 16),
@@ -159,6 +174,10 @@ def test_int4_packs_two_elements_a_byte():
     ({"compression": "int8", "compression_weights": 1}, TypeError, "compression_weights must be True or False"),
     ({"compression": "int8", "reduce_dtype": torch.bfloat16}, ValueError, "Drop reduce_dtype"),
     ({"compression": "int8", "estimate_dtype": torch.bfloat16}, ValueError, "Drop estimate_dtype"),
+    ({"estimate_compression": "int4"}, ValueError, "under an explicit compression of the commit"),
+    ({"compression": "auto", "estimate_compression": "int4"}, ValueError, "chooses both rounds' format"),
+    ({"compression": "int8", "estimate_compression": "int2"}, ValueError, "estimate_compression must be None or one"),
+    ({"compression": "int8", "estimate_compression": "int4", "mode": "dpu"}, ValueError, "applies to mode='acco' only"),
 ])
 def test_compression_refuses_what_it_cannot_do(options, error, words):
     with pytest.raises(error, match=words):

@@ -40,6 +40,8 @@ METHODS: Dict[str, Tuple[str, List[str]]] = {
     "acco-bf16-paper": ("train_acco.py", ["--acco-option=estimate_dtype=bfloat16", PAPER]),
     "acco-int8": ("train_acco.py", ["--acco-option=compression=int8", "--acco-option=estimate_extrapolation=1.2"]),
     "acco-int4": ("train_acco.py", ["--acco-option=compression=int4", "--acco-option=estimate_extrapolation=1.2"]),
+    "acco-int8e4": ("train_acco.py", ["--acco-option=compression=int8", "--acco-option=estimate_compression=int4",
+                                      "--acco-option=estimate_extrapolation=1.2"]),
     # candidates for a default that holds in every regime (issue 77)
     "acco-h3": ("train_acco.py", ["--acco-option=estimate_dtype=bfloat16", "--acco-option=estimate_extrapolation=1.2",
                                   "--acco-option=estimate_microbatches=3"]),
@@ -47,7 +49,7 @@ METHODS: Dict[str, Tuple[str, List[str]]] = {
 }
 # method -> its label in the speed benchmark (benchmarks/overlap.py), for the composed time to DDP's loss
 SPEED_LABELS = {"ddp": "ddp", "acco": "acco:estimate-bf16", "acco-paper": "acco", "acco-int8": "acco-int8",
-                "acco-int4": "acco-int4"}
+                "acco-int4": "acco-int4", "acco-int8e4": "acco-int8e4"}
 REGIMES = {  # name -> (schedule, warm-up, share of the run cooling down)
     "constant": ("constant", 0, 0.0),
     "cosine": ("cosine", 20, 0.0),

@@ -284,7 +284,7 @@ def choose_transport(precision: Any, layout: Layout, rank: int, params: List[tor
     transport's buffers (zero); no collective. ``compression="auto"`` starts without compression."""
     if precision.compression not in (None, "auto"):
         return Quantized(precision.compression, precision.compression_block, precision.compression_weights, layout,
-                         rank, precision.accumulation_dtype, params, views)
+                         rank, precision.accumulation_dtype, params, views, precision.estimate_compression)
     if precision.estimate_dtype is not None:
         return NarrowEstimate(comm, layout, rank, precision.estimate_dtype, params, precision.compute_dtype)
     return FullWidth()

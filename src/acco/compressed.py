@@ -7,7 +7,8 @@ Rank ``r`` quantizes chunk ``j`` of its buffer ``x`` (``shard_size`` elements, r
 and adds in rank order, in fp32. No value is quantized twice, whatever ``N``: unlike a ring reduce-scatter,
 nothing is re-quantized at a hop. On a commit, ``x`` is the gradient sum plus the rank's residual, and the
 residual becomes what the quantization dropped, ``x - dequantize(quantize(x))``, once the round knows it takes
-its step (a skipped round leaves it as it was).
+its step (a skipped round leaves it as it was). An estimate round, whose step is thrown away, may travel in a
+kind of its own (``estimate_compression``: fewer bits), gradients and weights' change alike.
 
 :class:`Quantized` is this wire format's :class:`~acco.transport.Transport`: it owns the packed chunks out and
 in (sized by ``quantize.packed_size`` for its kind), the residual, and the exchanges below.
@@ -39,23 +40,27 @@ class Quantized(Transport):
     full size, in the accumulation dtype (what its commits' quantization has not yet sent, zero at the start);
     and reads ``params`` at ``views`` (their places in the round buffer's weights: the reference every rank holds
     alike). ``weights``: the weights travel as their quantized change too (``compression_weights``), else in the
-    compute dtype. ``rank``: this rank's place in the round group (its chunk of the weights)."""
+    compute dtype. ``rank``: this rank's place in the round group (its chunk of the weights). ``estimate_kind``:
+    the estimate round's kind (``None``: ``kind``); the buffers fit the wider of the two."""
 
     def __init__(self, kind: str, block: int, weights: bool, layout: Layout, rank: int,
-                 accumulation_dtype: torch.dtype, params: List[torch.Tensor], views: List[torch.Tensor]) -> None:
+                 accumulation_dtype: torch.dtype, params: List[torch.Tensor], views: List[torch.Tensor],
+                 estimate_kind: Optional[str] = None) -> None:
         device = params[0].device
         self.kind, self.block, self.weights, self.rank = kind, block, weights, rank
+        self.estimate_kind = estimate_kind or kind
+        self.world = layout.world_size  # ranks of the round group: ``send`` holds one chunk for each
         self.chunk = packed_size(layout.shard_size, block, kind)  # bytes of one packed chunk of shard_size elements
-        n = layout.world_size * self.chunk
+        self.estimate_chunk = packed_size(layout.shard_size, block, self.estimate_kind)
+        n = layout.world_size * max(self.chunk, self.estimate_chunk)
         self.send = torch.zeros(n, dtype=torch.uint8, device=device)
         self.recv = torch.zeros(n, dtype=torch.uint8, device=device)
         self._residual = torch.zeros(layout.padded_numel, dtype=accumulation_dtype, device=device)
         self.params, self.views = params, views
 
-    @property
-    def world(self) -> int:
-        """Ranks of the round group: ``send`` holds one chunk for each."""
-        return self.send.numel() // self.chunk
+    def codec(self, commit: bool) -> Tuple[str, int]:
+        """A round's kind and the bytes of one of its packed chunks: the commit's, or the estimate's."""
+        return (self.kind, self.chunk) if commit else (self.estimate_kind, self.estimate_chunk)
 
     @property
     def residual(self) -> torch.Tensor:
@@ -70,7 +75,7 @@ class Quantized(Transport):
         its residual with its gradients (the estimate quantizes without feedback)."""
         if commit:
             b.comm.add_(self._residual)  # error feedback: what the earlier commits' quantization dropped
-        reduce_scatter_packed(b.grad, b.comm, self, group, b.grad.numel())
+        reduce_scatter_packed(b.grad, b.comm, self, group, b.grad.numel(), commit)
 
     def keep_residual(self, b: ShardBuffers, undo: Optional[torch.Tensor]) -> None:
         """``comm`` still holds what was sent: the residual becomes what its quantization dropped. No
@@ -81,7 +86,7 @@ class Quantized(Transport):
                    group: Optional[dist.ProcessGroup]) -> None:
         """Collective on ``group``: each owner's change against the weights every rank holds, one all-gather of
         packed chunks (:func:`all_gather_packed`)."""
-        all_gather_packed(b.weights, source, self, group, b.master.numel(), b.collectives)
+        all_gather_packed(b.weights, source, self, group, b.master.numel(), b.collectives, commit)
 
     def tensors(self) -> List[torch.Tensor]:
         """The packed chunks, the residual, and the parameters the weights' change is taken against."""
@@ -97,21 +102,22 @@ def _chunks(x: torch.Tensor, shard_size: int, world_size: int):
 
 
 def reduce_scatter_packed(out: torch.Tensor, x: torch.Tensor, packed: Quantized, group: Optional[dist.ProcessGroup],
-                          shard_size: int) -> None:
+                          shard_size: int, commit: bool = True) -> None:
     """``out`` (this rank's share) = the sum over ranks, in rank order, of each rank's dequantized chunk for this
-    rank. Collective on ``group``: one all-to-all of ``N`` packed chunks (``None``: one process, a copy)."""
-    world = packed.world
-    for j, chunk in enumerate(_chunks(x, shard_size, world)):
-        quantize(chunk, packed.kind, packed.block, packed.send[j * packed.chunk:(j + 1) * packed.chunk])
+    rank, in the commit's kind or the estimate's. Collective on ``group``: one all-to-all of ``N`` packed chunks
+    (``None``: one process, a copy)."""
+    world, (kind, chunk) = packed.world, packed.codec(commit)
+    send, recv = packed.send[:world * chunk], packed.recv[:world * chunk]  # the round's kind's bytes
+    for j, part in enumerate(_chunks(x, shard_size, world)):
+        quantize(part, kind, packed.block, send[j * chunk:(j + 1) * chunk])
     if group is None:
-        packed.recv.copy_(packed.send)
+        recv.copy_(send)
     else:
         # all-to-all: the j-th chunk of send to rank j; recv holds every rank's chunk for this rank, in rank order
-        dist.all_to_all_single(packed.recv, packed.send, group=group)
+        dist.all_to_all_single(recv, send, group=group)
     out.zero_()
     for j in range(world):  # in rank order, in fp32
-        dequantize_add_(packed.recv[j * packed.chunk:(j + 1) * packed.chunk], packed.kind, packed.block, shard_size,
-                        out)
+        dequantize_add_(recv[j * chunk:(j + 1) * chunk], kind, packed.block, shard_size, out)
 
 
 def keep_residual(x: torch.Tensor, packed: Quantized, shard_size: int, undo: Optional[torch.Tensor] = None) -> None:
@@ -134,7 +140,7 @@ def reconstructed(reference: torch.Tensor, source: torch.Tensor, kind: str, bloc
 
 
 def all_gather_packed(weights: torch.Tensor, source: torch.Tensor, packed: Quantized,
-                      group: Optional[dist.ProcessGroup], shard_size: int, algorithm: str) -> None:
+                      group: Optional[dist.ProcessGroup], shard_size: int, algorithm: str, commit: bool = True) -> None:
     """``weights`` (the round buffer, compute dtype, full) = what every rank reconstructs: the model's current
     weights (the previous round's, the same bits on every rank) plus each owner's dequantized change
     ``source - reference`` of its share. The fp32 master stays exact, and as each round's change is taken
@@ -148,10 +154,10 @@ def all_gather_packed(weights: torch.Tensor, source: torch.Tensor, packed: Quant
     weights.zero_()
     torch._foreach_copy_(packed.views, [p.detach() for p in packed.params])
     ref = weights[packed.rank * shard_size:(packed.rank + 1) * shard_size]
-    mine = packed.send[:packed.chunk]
-    quantize(source, packed.kind, packed.block, mine, minus=ref)  # source - ref, out of place: source may be the master
-    all_gather_flat(packed.recv, mine, group, algorithm)  # every owner's packed change, in rank order
-    world = packed.world
+    world, (kind, chunk) = packed.world, packed.codec(commit)
+    mine, recv = packed.send[:chunk], packed.recv[:world * chunk]
+    quantize(source, kind, packed.block, mine, minus=ref)  # source - ref, out of place: source may be the master
+    all_gather_flat(recv, mine, group, algorithm)  # every owner's packed change, in rank order
     for j, w in enumerate(_chunks(weights, shard_size, world)):  # the reference + the change, in fp32
-        dequantize_add_(packed.recv[j * packed.chunk:(j + 1) * packed.chunk], packed.kind, packed.block, shard_size, w)
+        dequantize_add_(recv[j * chunk:(j + 1) * chunk], kind, packed.block, shard_size, w)
 

@@ -324,12 +324,20 @@ class PrecisionPolicy:
         "With `compression`: the weights travel in its bits too, each owner sending its change against the weights "
         "every rank holds (the fp32 master stays exact). `False`: only the gradients are compressed, and the "
         "weights travel in the compute dtype."))
+    estimate_compression: Optional[str] = option(None, "`None`", (
+        "Mode `acco` with `compression`: the estimate round's own kind (`\"int4\"` under `\"int8\"`: a quarter "
+        "fewer bytes per update), its gradients and its weights' change alike. Its step is thrown away at the "
+        "commit, so it needs no feedback; the commit keeps `compression` and its residual. `None`: the estimate "
+        "travels as the commit does ([compression](compression.md#a-cheaper-estimate-round))."))
 
     def resolved(self, param_dtype: torch.dtype, mode: Mode, world_size: int) -> "PrecisionPolicy":
         """Every dtype concrete: ``compute_dtype`` None is the parameters'; the accumulation dtype from the compute
         dtype; the reduce dtype from the accumulation dtype; ``estimate_dtype="auto"`` from all three (None with
         ``compression``: the estimate is compressed like the commit)."""
         self._check_compression()
+        if self.estimate_compression is not None and not mode.estimates:
+            raise ValueError(f"estimate_compression={self.estimate_compression!r} applies to mode='acco' only (its "
+                             f"estimate round), got mode={mode!r}: drop it")
         compute = self.compute_dtype or param_dtype
         accumulation = P.check_accumulation_dtype(self.accumulation_dtype, compute)
         reduce = P.check_reduce_dtype(self.reduce_dtype, accumulation, compute)
@@ -349,6 +357,15 @@ class PrecisionPolicy:
             raise ValueError(f"compression_block must be an int >= 1 (elements per scale), got {block!r}")
         if not isinstance(self.compression_weights, bool):
             raise TypeError(f"compression_weights must be True or False, got {self.compression_weights!r}")
+        estimate_kind = self.estimate_compression
+        if estimate_kind is not None and (kind is None or kind == AUTO or estimate_kind not in KINDS):
+            if estimate_kind not in KINDS:
+                raise ValueError(f"estimate_compression must be None or one of {', '.join(map(repr, KINDS))}, got "
+                                 f"{estimate_kind!r}")
+            raise ValueError(f"estimate_compression={estimate_kind!r} with compression={kind!r}: it sets the estimate "
+                             "round's kind under an explicit compression of the commit (e.g. compression='int8', "
+                             "estimate_compression='int4')" + (
+                                 "; compression='auto' chooses both rounds' format" if kind == AUTO else ""))
         if kind is None:
             return
         if self.reduce_dtype is not None:
