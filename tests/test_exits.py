@@ -143,17 +143,24 @@ def test_ctrl_c_while_waiting_keeps_the_round_in_flight():
     sched, release = StreamScheduler(torch.device("cpu")), threading.Event()
     sched.submit(lambda: release.wait(30) and "ended")
 
+    def send() -> None:
+        os.kill(os.getpid(), signal.SIGINT)
+
     def interrupt(signum, frame):
+        inside = frame
+        while inside is not None and inside.f_code is not StreamScheduler.wait.__code__:
+            inside = inside.f_back
+        if inside is None:  # not yet inside wait() (a slow machine): interrupt it a moment later
+            threading.Timer(0.05, send).start()
+            return
         raise KeyboardInterrupt
 
     previous = signal.signal(signal.SIGINT, interrupt)
-    timer = threading.Timer(0.3, lambda: os.kill(os.getpid(), signal.SIGINT))  # lands inside wait()
     try:
-        timer.start()
+        threading.Timer(0.2, send).start()
         with pytest.raises(KeyboardInterrupt):
             sched.wait()
     finally:
-        timer.cancel()
         signal.signal(signal.SIGINT, previous)
     assert sched.in_flight  # the round is still running: not forgotten
     assert not sched.settle(timeout=0.2)  # the exit's wait sees it and is not done yet
