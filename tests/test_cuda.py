@@ -239,15 +239,17 @@ def _shared_gpu_grad(rank, index, weights):
     return [p.grad.detach().clone() for p in net.parameters()]
 
 
-def _shared_gpu_worker(rank, world, mode, estimate_dtype, extrapolation=1.0):
+def _shared_gpu_worker(rank, world, mode, estimate_dtype, extrapolation=1.0, compressed=None):
     from oracle import update_run
 
     os.environ["ACCO_RING"] = "0"  # gloo's own collectives: its point-to-point ring has no CUDA tensors
     torch.cuda.set_device(0)
     model = make_model().cuda()
     theta0 = [p.detach().clone() for p in model.parameters()]
+    compressed = compressed or {}
     opt = AccoOptimizer(model.parameters(), mode=mode, microbatches_per_update=2, estimate_dtype=estimate_dtype,
-                        max_grad_norm=5.0, estimate_extrapolation=extrapolation, **KW)
+                        max_grad_norm=5.0, estimate_extrapolation=extrapolation, compression_block=16, **compressed,
+                        **KW)
     assert opt.scheduler.uses_streams
     traj = []
     for t in range(5):
@@ -260,22 +262,26 @@ def _shared_gpu_worker(rank, world, mode, estimate_dtype, extrapolation=1.0):
     opt.finish()
     ref, _, ref_final = update_run(theta0, lambda ps: torch.optim.AdamW(ps, **KW), mode, _shared_gpu_grad, world, 5,
                                    2, estimate_dtype=estimate_dtype, max_grad_norm=5.0,
-                                   estimate_extrapolation=extrapolation)
+                                   estimate_extrapolation=extrapolation, compression_block=16, **compressed)
     return (max(rel_err(a, flat_list(b).cpu()) for a, b in zip(traj, ref)),
             rel_err(flat(model).cpu(), flat_list(ref_final).cpu()))
 
 
-@pytest.mark.parametrize("mode,estimate_dtype,extrapolation", [("acco", None, 1.0), ("dpu", None, 1.0),
-                                                               ("sync", None, 1.0), ("acco", torch.bfloat16, 1.0),
-                                                               ("acco", torch.bfloat16, 1.2)])
-def test_cuda_two_gloo_ranks_sharing_one_gpu_match_the_oracle(mode, estimate_dtype, extrapolation):
+@pytest.mark.parametrize("mode,estimate_dtype,extrapolation,compressed", [
+    ("acco", None, 1.0, None), ("dpu", None, 1.0, None), ("sync", None, 1.0, None), ("acco", torch.bfloat16, 1.0, None),
+    ("acco", torch.bfloat16, 1.2, None), ("acco", None, 1.0, {"compression": "int8"}),
+    ("acco", None, 1.0, {"compression": "int8", "estimate_compression": "int4"}), ("sync", None, 1.0, {"compression": "int4"})])
+def test_cuda_two_gloo_ranks_sharing_one_gpu_match_the_oracle(mode, estimate_dtype, extrapolation, compressed):
     """Two ranks on one GPU (NCCL refuses two ranks on a device; gloo takes CUDA tensors): the stream path at
     world 2 (the side stream, its events, record_stream, the count and norm collectives, the rounds'
-    reduce-scatter and all-gather) against the oracle at every step; the last configuration is the default bf16
-    estimate extrapolated (estimate_extrapolation=1.2). Ran on the first GPU machine (one H100)."""
+    reduce-scatter and all-gather) against the oracle at every step; then the default bf16 estimate
+    extrapolated (estimate_extrapolation=1.2), and compressed rounds (their all-to-all and packed all-gather on
+    the device, the estimate in a kind of its own). The uncompressed ones ran on the first GPU machine (one H100);
+    the compressed ones have not run on a GPU yet."""
     from _dist import run_ranks
 
-    for step_err, final_err in run_ranks(_shared_gpu_worker, 2, mode, estimate_dtype, extrapolation, timeout=120):
+    for step_err, final_err in run_ranks(_shared_gpu_worker, 2, mode, estimate_dtype, extrapolation, compressed,
+                                         timeout=120):
         assert step_err < 1e-5 and final_err < 1e-5
 
 
