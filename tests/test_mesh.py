@@ -359,11 +359,13 @@ def test_compressed_rounds_with_fsdp2_inside_keep_the_hosts_alike():
 
 
 SGD_KW = dict(lr=5e-2, momentum=0.9, weight_decay=0.01)
-# name: (mode, compression, max_grad_norm, SGD with momentum instead of AdamW)
+# name: (mode, compression, max_grad_norm, SGD with momentum instead of AdamW); "int8e4": int8 with the estimate
+# round in int4 (estimate_compression)
 COMPRESSED = {"sync/int8": ("sync", "int8", None, False), "dpu/int8": ("dpu", "int8", None, False),
               "acco/int8": ("acco", "int8", None, False), "acco/fp8": ("acco", "fp8", None, False),
               "acco/int8/clipped": ("acco", "int8", CLIP, False), "acco/int8/sgd": ("acco", "int8", None, True),
-              "acco/int4": ("acco", "int4", None, False), "sync/int4/sgd": ("sync", "int4", None, True)}
+              "acco/int4": ("acco", "int4", None, False), "sync/int4/sgd": ("sync", "int4", None, True),
+              "acco/int8e4": ("acco", "int8e4", None, False)}
 
 
 def _fsdp_segments(theta0, fsdp: int) -> list:
@@ -389,13 +391,14 @@ def _compressed_oracle_worker(rank: int, world: int) -> dict:
     for name, (mode, kind, clip, sgd) in COMPRESSED.items():
         cls, kw = (torch.optim.SGD, SGD_KW) if sgd else (torch.optim.AdamW, KW)
         model, theta0 = _fsdp_model(mesh["tp"])
+        kinds = dict(compression="int8", estimate_compression="int4") if kind == "int8e4" else dict(compression=kind)
         opt = AccoOptimizer(model.parameters(), cls, mode=mode, microbatches_per_update=M, process_group=mesh["dp"],
-                            compression=kind, compression_block=8, max_grad_norm=clip, **kw)
+                            compression_block=8, max_grad_norm=clip, **kinds, **kw)
         traj, final = _trained(model, opt, rank)
         common = dict(max_grad_norm=clip, estimate_extrapolation=opt.estimate_extrapolation)
         ref_steps, _, ref_final = update_run(theta0, lambda ps: cls(ps, **kw), mode, grad_fn, 2, UPDATES, M,
-                                             compression=kind, compression_block=8,
-                                             segments=_fsdp_segments(theta0, 2), **common)
+                                             compression_block=8, segments=_fsdp_segments(theta0, 2), **kinds,
+                                             **common)
         exact = update_run(theta0, lambda ps: cls(ps, **kw), mode, grad_fn, 2, UPDATES, M, **common)[2]
         out[name] = {"step_err": max(_rel(a, b) for step, ref in zip(traj, ref_steps) for a, b in zip(step, ref)),
                      "final_err": max(_rel(a, b) for a, b in zip(final, ref_final)),
