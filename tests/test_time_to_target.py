@@ -503,6 +503,11 @@ def test_instruments_acco_options_read_words_as_well_as_numbers_dtypes_and_none(
     for text, value in values.items():
         read = instrument.option_value(text)
         assert read == value and type(read) is type(value), (text, read)
+    # a compression kind is a word, though torch has dtypes of those names (torch.int8, torch.int4)
+    for key in ("compression", "estimate_compression"):
+        for kind in ("int8", "int4"):
+            assert instrument.acco_option(f"--acco-option={key}={kind}") == (key, kind)
+    assert instrument.acco_option("--acco-option=estimate_dtype=bfloat16") == ("estimate_dtype", torch.bfloat16)
 
 
 def test_muon_runs_the_split_with_muons_lr_on_the_line_and_adamws_as_the_schedules_peak(tmp_path, monkeypatch):

@@ -163,6 +163,13 @@ def option_value(text: str):
     return text
 
 
+def acco_option(flag: str):
+    """``(key, value)`` of ``--acco-option=KEY=VALUE``. ``compression`` and ``estimate_compression`` name a
+    format (``int8``, ``int4``), not torch's dtype of that name: the word as it is."""
+    key, value = flag.split("=", 1)[1].split("=", 1)
+    return key, value if key in ("compression", "estimate_compression") else option_value(value)
+
+
 def main(argv: list) -> None:
     nice_in_own_session()
     options, estimate_gap = {}, False
@@ -176,9 +183,8 @@ def main(argv: list) -> None:
         elif flag.startswith("--ddp-hook="):
             hook = flag.split("=", 1)[1]
         elif flag.startswith("--acco-option="):
-            key, value = flag.split("=", 1)[1].split("=", 1)
-            # compression names a format ("int8", "fp8"), not a dtype: the word as it is
-            options[key] = value if key == "compression" else option_value(value)
+            key, value = acco_option(flag)
+            options[key] = value
         else:
             raise SystemExit(f"instrument.py: unknown flag {flag!r} (see the docstring)")
     if not argv:
