@@ -228,7 +228,11 @@ def _resume_worker(rank: int, world: int, folder: str, mode: str) -> dict:
     through opt.state_dict() (per rank) and through acco.checkpoint (DCP); and the residual each saved."""
     import acco.checkpoint
 
+    estimate = mode.endswith("/e4")  # the estimate round in int4 (estimate_compression)
+    mode = mode.split("/")[0]
     kw = dict(mode=mode, microbatches_per_update=2, compression="int8", compression_block=16, **KW)
+    if estimate:
+        kw["estimate_compression"] = "int4"
     model = make_model()
     opt = AccoOptimizer(model.parameters(), **kw)
     straight = _train(model, opt, rank, 6)
@@ -263,7 +267,8 @@ def _resume_worker(rank: int, world: int, folder: str, mode: str) -> dict:
     return out
 
 
-@pytest.mark.parametrize("mode", ["acco", pytest.param("dpu", marks=pytest.mark.slow), "sync"])
+@pytest.mark.parametrize("mode", ["acco", pytest.param("dpu", marks=pytest.mark.slow), "sync",
+                                  pytest.param("acco/e4", marks=pytest.mark.slow)])
 def test_a_compressed_run_resumes_bit_identically_with_its_residuals(tmp_path, mode):
     """Stopped after 3 updates and resumed into fresh objects, per rank (opt.state_dict()), through DCP
     (acco.checkpoint) and through one gathered file loaded model first (acco.checkpoint.gather: the model's
