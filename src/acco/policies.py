@@ -358,14 +358,14 @@ class PrecisionPolicy:
         if not isinstance(self.compression_weights, bool):
             raise TypeError(f"compression_weights must be True or False, got {self.compression_weights!r}")
         estimate_kind = self.estimate_compression
-        if estimate_kind is not None and (kind is None or kind == AUTO or estimate_kind not in KINDS):
-            if estimate_kind not in KINDS:
-                raise ValueError(f"estimate_compression must be None or one of {', '.join(map(repr, KINDS))}, got "
-                                 f"{estimate_kind!r}")
+        if estimate_kind is not None and estimate_kind not in KINDS:
+            raise ValueError(f"estimate_compression must be None or one of {', '.join(map(repr, KINDS))}, got "
+                             f"{estimate_kind!r}")
+        if estimate_kind is not None and kind in (None, AUTO):
             raise ValueError(f"estimate_compression={estimate_kind!r} with compression={kind!r}: it sets the estimate "
                              "round's kind under an explicit compression of the commit (e.g. compression='int8', "
-                             "estimate_compression='int4')" + (
-                                 "; compression='auto' chooses both rounds' format" if kind == AUTO else ""))
+                             "estimate_compression='int4')"
+                             + ("; compression='auto' chooses both rounds' format" if kind == AUTO else ""))
         if kind is None:
             return
         if self.reduce_dtype is not None:
