@@ -178,7 +178,7 @@ def _unflat(x: torch.Tensor, like: Tensors) -> Tensors:
     return out
 
 
-def update_run(
+def _updates(
     theta0: Tensors,
     make_opt: MakeOpt,
     mode: str,
@@ -324,6 +324,7 @@ def update_run(
             model = arrived(estimate, model, commit=False)  # step(): theta~_{t+1} into the model, the commit in flight
             _opt_step(opt, theta, clipped([a * (1.0 / ranks) for a in travelled(accum, True)], max_grad_norm),
                       seen)
+            yield t, theta  # the commit's step is done: regions_run's outer round reads and moves theta here
             pending = arrived(theta, model)
         else:
             accumulate(accum, m)
@@ -341,6 +342,7 @@ def update_run(
                         with torch.no_grad():
                             x -= delay_correction * (u - previous[i])
                     previous[i] = u
+            yield t, theta  # the commit's step is done: regions_run's outer round reads and moves theta here
             pending = arrived(theta, model)
             if mode == "sync" or synchronous:
                 model, pending = pending, None
@@ -348,3 +350,70 @@ def update_run(
         committed.append([x.clone() for x in (pending if pending is not None else model)])
     final = pending if pending is not None else model
     return after_step, committed, [x.clone() for x in final]
+
+
+def update_run(*args, **kwargs):
+    """One region's run: see :func:`_updates` (its arguments and what it returns)."""
+    return _drained(_updates(*args, **kwargs))
+
+
+def _drained(run):
+    """Run a :func:`_updates` generator to its end; its result."""
+    while True:
+        try:
+            next(run)
+        except StopIteration as stop:
+            return stop.value
+
+
+def regions_run(theta0: Tensors, make_opt: MakeOpt, mode: str, grad_fns: List[GradFn], n_ranks: int,
+                n_updates: int, m: int, every: int, delay: int = 0, outer_lr: float = 0.7,
+                outer_momentum: float = 0.9, outer_compression: Optional[str] = None, compression_block: int = 256,
+                **kwargs):
+    """``len(grad_fns)`` regions of ``n_ranks`` ranks (``grad_fns[r]``: region ``r``'s ``grad_fn``), each
+    :func:`update_run`'s loop (``kwargs``: its options), and the outer round of ``algorithm.md`` ("Across
+    regions") after the commit of every ``every``-th update: ``Δ_r = A − θ_r`` (quantized with region ``r``'s
+    residual, cut into ``n_ranks`` chunks as the ranks' slices are, with ``outer_compression`` in blocks of
+    ``compression_block``, the regions' own block too), the mean over
+    regions in region order, merged ``delay`` commits later: ``A ← SGD(A, mean)`` (Nesterov with
+    ``outer_momentum``), ``θ_r ← θ_r + (A − θ_r at the launch)`` (``delay`` 0: ``θ_r ← A``). The outer step runs
+    on the whole flat model: SGD is elementwise, so it equals the ranks' steps on their slices.
+
+    Returns each region's ``(after_step, committed, final)``, in region order."""
+    runs = [_updates(theta0, make_opt, mode, fn, n_ranks, n_updates, m, compression_block=compression_block, **kwargs)
+            for fn in grad_fns]
+    regions = len(runs)
+    anchor = _flat(theta0).clone()
+    outer = torch.optim.SGD([anchor], lr=outer_lr, momentum=outer_momentum, nesterov=outer_momentum > 0)
+    residual = [torch.zeros_like(anchor) for _ in runs]
+    flight = None  # (the commit that merges it, the regions' mean, each region's theta at the launch)
+
+    def merge(thetas, mean, bases):
+        anchor.grad = mean
+        outer.step()
+        anchor.grad = None
+        for theta, base in zip(thetas, bases):
+            new = anchor.clone() if delay == 0 else _flat(theta) + (anchor - base)
+            for x, v in zip(theta, _unflat(new, theta)):
+                with torch.no_grad():
+                    x.copy_(v)
+
+    for k in range(1, n_updates + 1):
+        thetas = [next(run)[1] for run in runs]  # every region after the step of its k-th commit
+        if flight is not None and flight[0] == k:
+            merge(thetas, flight[1], flight[2])
+            flight = None
+        if k % every == 0:
+            total = torch.zeros_like(anchor)
+            for r, theta in enumerate(thetas):
+                delta = anchor - _flat(theta)
+                if outer_compression is not None:
+                    x = delta + residual[r]
+                    delta = quantized(x, outer_compression, compression_block, n_ranks)
+                    residual[r] = x - delta
+                total += delta
+            flight = (k + delay, total / regions, [_flat(theta).clone() for theta in thetas])
+            if delay == 0:
+                merge(thetas, flight[1], flight[2])
+                flight = None
+    return [_drained(run) for run in runs]

@@ -23,7 +23,7 @@ LAYERS = {
     6: ["runtime"],
     5: ["loops", "driver", "state.io", "state.target", "state.consolidated"],
     4: ["options", "buffers", "progress", "state.pieces", "state.legacy"],
-    3: ["rounds", "_validation", "state.checksums", "policies", "state.residual", "compressed"],
+    3: ["rounds", "_validation", "state.checksums", "policies", "state.residual", "compressed", "outer"],
     2: ["wrapped", "scheduler", "mesh", "grads", "session", "hooks", "state.format", "introspection",
         "integrations._given", "round_checks", "precision", "transport", "auto"],
     1: ["modes", "errors", "device_api", "placement", "arrivals", "functional", "snapshot", "collectives",

@@ -10,10 +10,10 @@ from .ddp import disable_gradient_allreduce
 from .errors import *  # noqa: F401,F403  every public exception: the names errors.__all__ lists
 from .launch import init_process_group
 from .optimizer import AccoOptimizer
-from .policies import DelayPolicy, HandoffPolicy, PrecisionPolicy, RobustnessPolicy
+from .policies import DelayPolicy, HandoffPolicy, OuterPolicy, PrecisionPolicy, RobustnessPolicy
 from .scheduler import StreamScheduler
 
-__all__ = ["AccoOptimizer", "DelayPolicy", "HandoffPolicy", "PrecisionPolicy", "RobustnessPolicy", "StreamScheduler", "disable_gradient_allreduce", "init_process_group", *errors.__all__]
+__all__ = ["AccoOptimizer", "DelayPolicy", "HandoffPolicy", "OuterPolicy", "PrecisionPolicy", "RobustnessPolicy", "StreamScheduler", "disable_gradient_allreduce", "init_process_group", *errors.__all__]
 __version__ = "0.1.0"
 
 

@@ -311,3 +311,5 @@ class RoundDriver:
         model, self.ctx.model_group = self.ctx.model_group, None  # DTensor parameters: the norm's other group
         if model is not None:
             release_round_group(model, abort)
+        if self.ctx.outer is not None:  # outer_every: the group across regions, once its round in flight has ended
+            self.ctx.outer.release(abort)

@@ -130,7 +130,8 @@ class Introspection:
         the most the library allocates at once during a round (on CUDA on the
         side stream, held until the stream has run it): a bound, the larger of
         the estimate's lists and the norm's fp64 slab; the wrapped optimizer's
-        own step adds its temporaries (none for fused AdamW). Local: no collective.
+        own step adds its temporaries (none for fused AdamW). With ``outer_every``, ``outer``: the outer state
+        of this rank's slice (anchor, momentum, residual, the round's bytes). Local: no collective.
         """
         self._runtime.driver.collect()  # the round fills the state and the scratch: read them after it
         state = self._runtime.wrapped.state_values()
@@ -142,4 +143,9 @@ class Introspection:
         scratch = [] if snapshot is None else snapshot.tensors()
         if self._runtime.driver.ctx.delay_scratch is not None:
             scratch.append(self._runtime.driver.ctx.delay_scratch)
-        return self._runtime.flat.memory_report(state, scratch, temporaries)
+        report = self._runtime.flat.memory_report(state, scratch, temporaries)
+        if self._runtime.driver.ctx.outer is not None:  # outer_every: the anchor, momentum, residual, bytes
+            extra = self._runtime.driver.ctx.outer.memory()
+            report.update(extra)
+            report["library_total"] += sum(extra.values())
+        return report

@@ -37,7 +37,7 @@ from .agreement import hyper_fingerprint
 from .driver import RoundDriver
 from .introspection import Introspection
 from .options import Options, check_arguments, keyword_signature, split_keywords
-from .policies import DelayPolicy, HandoffPolicy, PrecisionPolicy, RobustnessPolicy
+from .policies import DelayPolicy, HandoffPolicy, OuterPolicy, PrecisionPolicy, RobustnessPolicy
 from .runtime import Runtime, make_closer
 from .state import io as state_io
 from .torch_hooks import load_with_hooks, state_dict_with_hooks
@@ -94,12 +94,15 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
             the flattened parameters, for a step that treats every element on its own) or ``"whole"`` (each
             tensor whole on one rank). The classes acco knows need none; LBFGS and SparseAdam are refused.
         assume_elementwise: the same as ``placement="elementwise"`` (kept for existing code).
-        handoff, robustness, delay, precision: the policies (``acco.HandoffPolicy``, ``RobustnessPolicy``,
-            ``DelayPolicy``, ``PrecisionPolicy``; their fields, defaults and what each does: ``help()`` on each,
+        handoff, robustness, delay, precision, outer: the policies (``acco.HandoffPolicy``, ``RobustnessPolicy``,
+            ``DelayPolicy``, ``PrecisionPolicy``, ``OuterPolicy``; their fields, defaults and what each does: ``help()`` on each,
             or ``docs/options.md``). Each field is also a keyword of its own, the shorthand most code uses
             (``inspect.signature(AccoOptimizer)`` lists them): ``max_grad_norm=1.0`` is
             ``robustness=RobustnessPolicy(max_grad_norm=1.0)``, ``compression="int8"`` is
             ``precision=PrecisionPolicy(compression="int8")``.
+        outer_group: with ``outer_every=H``: this rank's peers in the other regions (the same rank of each
+            region's ``process_group``, e.g. ``mesh.get_group("region")`` of a ``("region", "dp")`` mesh). Every
+            ``H`` updates an outer round averages the regions' progress over it (``docs/regions.md``).
         **optimizer_kwargs: passed to ``optimizer_class`` (``lr=...``).
 
     Evaluate or save the committed weights inside :meth:`committed_weights`.
@@ -123,11 +126,12 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         buffers: Optional[Iterable[torch.Tensor]] = None, placement: Optional[str] = None,
         assume_elementwise: bool = False, handoff: Optional[HandoffPolicy] = None,
         robustness: Optional[RobustnessPolicy] = None, delay: Optional[DelayPolicy] = None,
-        precision: Optional[PrecisionPolicy] = None, **keywords: Any,
+        precision: Optional[PrecisionPolicy] = None, outer: Optional[OuterPolicy] = None,
+        outer_group: Optional[dist.ProcessGroup] = None, **keywords: Any,
     ) -> None:
         # Each keyword is a policy's field (shorthand) or the wrapped optimizer's (lr=...): split once, checked once.
         policies, optimizer_kwargs = split_keywords(
-            dict(handoff=handoff, robustness=robustness, delay=delay, precision=precision), keywords)
+            dict(handoff=handoff, robustness=robustness, delay=delay, precision=precision, outer=outer), keywords)
         checked = check_arguments(mode=mode, optimizer_class=optimizer_class, placement=placement,
                                   assume_elementwise=assume_elementwise,
                                   microbatches_per_update=microbatches_per_update, policies=policies)
@@ -136,7 +140,7 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         V.drop_foreign_defaults(self.param_groups, given, classes, optimizer_class, optimizer_kwargs)
         self._runtime = rt = Runtime(
             self.param_groups, classes, checked, optimizer_kwargs, process_group=process_group, buffers=buffers,
-            microbatches_per_update=microbatches_per_update, owner_id=id(self))
+            microbatches_per_update=microbatches_per_update, owner_id=id(self), outer_group=outer_group)
         rt.fill_defaults(self.defaults)  # the wrapped optimizer's defaults fill this one's
         self.options: Options = rt.options  # the configuration, resolved once: read-only from here on
         self.rank, self.world_size, self.layout, self.scheduler = rt.rank, rt.world_size, rt.layout, rt.scheduler

@@ -21,7 +21,7 @@ import torch
 
 from . import _validation as V
 from .modes import Mode
-from .policies import (POLICIES, DelayPolicy, HandoffPolicy, PrecisionPolicy, RobustnessPolicy,
+from .policies import (POLICIES, DelayPolicy, HandoffPolicy, OuterPolicy, PrecisionPolicy, RobustnessPolicy,
                        check_estimate_within)
 
 __all__ = ["Options", "check_arguments", "keyword_signature", "markdown_table", "markdown_tables", "resolve",
@@ -30,7 +30,7 @@ __all__ = ["Options", "check_arguments", "keyword_signature", "markdown_table", 
 
 @dataclass(frozen=True)
 class Options:
-    """The resolved settings (docs/options.md): the mode, the class, the placement and the four policies
+    """The resolved settings (docs/options.md): the mode, the class, the placement and the five policies
     (``policies.py``). ``AccoOptimizer``'s attributes of each field's name read them (``opt.max_grad_norm`` is
     ``opt.options.robustness.max_grad_norm``)."""
 
@@ -41,6 +41,7 @@ class Options:
     robustness: RobustnessPolicy
     delay: DelayPolicy  # resolved: estimate_extrapolation a float
     precision: PrecisionPolicy  # resolved: every dtype concrete (estimate_dtype a dtype or None)
+    outer: OuterPolicy  # the outer round across regions (outer_every None: none)
 
     @property
     def estimates(self) -> bool:
@@ -135,7 +136,7 @@ def check_arguments(*, mode: Any, optimizer_class: Any, placement: Any, assume_e
     return Options(mode=mode, optimizer_class=optimizer_class, placement=placement, handoff=handoff,
                    robustness=policies["robustness"].checked(),
                    delay=policies["delay"].checked(mode, microbatches_per_update, elastic),
-                   precision=policies["precision"])
+                   precision=policies["precision"], outer=policies["outer"].checked(elastic))
 
 
 def resolve(checked: Options, *, param_dtype: torch.dtype, world_size: int, classes: Sequence[type]) -> Options:

@@ -26,8 +26,9 @@ from .modes import Mode
 from .auto import AUTO
 from .quantize import KINDS
 
-__all__ = ["ACCO_NEEDS_TWO", "AUTO_EXTRAPOLATION", "DelayPolicy", "HandoffPolicy", "POLICIES", "PrecisionPolicy",
-           "RobustnessPolicy", "check_estimate_within", "check_per_update", "resolve_estimate_extrapolation"]
+__all__ = ["ACCO_NEEDS_TWO", "AUTO_EXTRAPOLATION", "DelayPolicy", "HandoffPolicy", "OuterPolicy", "POLICIES",
+           "PrecisionPolicy", "RobustnessPolicy", "check_estimate_within", "check_per_update",
+           "resolve_estimate_extrapolation"]
 
 
 def option(default: Any, shown: str, doc: str) -> Any:
@@ -378,6 +379,57 @@ class PrecisionPolicy:
                              "compressed like the commit. Drop estimate_dtype")
 
 
+@documented
+@dataclass(frozen=True)
+class OuterPolicy:
+    """Across regions (``docs/regions.md``): every ``outer_every`` updates, an outer round averages the regions'
+    progress (``outer_group``: this rank's peers of the other regions) and takes an outer step, as DiLoCo does,
+    with the outer state sharded as the optimizer's (``docs/algorithm.md``, "Across regions")."""
+
+    outer_every: Optional[int] = option(None, "`None`", (
+        "`H`: an outer round after every `H` updates, across the regions of `outer_group` (`None`: none; "
+        "the rounds of `process_group` are then the only ones)."))
+    outer_lr: float = option(0.7, "`0.7`", (
+        "The outer step's learning rate (SGD on the regions' mean pseudo-gradient)."))
+    outer_momentum: float = option(0.9, "`0.9`", (
+        "The outer step's momentum, Nesterov's when > 0 (DiLoCo's 0.7 and 0.9); `outer_lr=1.0, "
+        "outer_momentum=0.0` averages the regions' weights."))
+    outer_compression: Optional[str] = option(None, "`None`", (
+        "The pseudo-gradient's wire format across regions: `None` (fp32), `\"int8\"`, `\"int4\"` or `\"fp8\"` "
+        "in blocks of `compression_block`, with error feedback (a residual of this rank's slice)."))
+    outer_delay: int = option(0, "`0`", (
+        "`τ`: the outer round runs behind the next `τ` updates and is merged at the commit `τ` updates after its "
+        "launch, keeping those updates' progress (`0 ≤ τ < H`; `0`: merged before the launching commit's weights "
+        "are published)."))
+
+    def checked(self, elastic: bool) -> "OuterPolicy":
+        every = self.outer_every
+        if every is None:
+            changed = [f.name for f in dataclasses.fields(self) if getattr(self, f.name) != f.default]
+            if changed:
+                raise ValueError(f"{', '.join(changed)} without outer_every: they set the outer round, which runs "
+                                 "only with outer_every=H (and outer_group=). Pass outer_every, or drop them")
+            return self
+        if not _is_int(every, 1):
+            raise ValueError(f"outer_every must be None or an int >= 1 (updates between outer rounds), got {every!r}")
+        if elastic:
+            raise ValueError("outer_every with accumulate_while_communicating=True: the regions would count "
+                             "different numbers of rounds, and an outer round needs them at the same update. Drop "
+                             "one of the two")
+        lr, momentum = self.outer_lr, self.outer_momentum
+        if isinstance(lr, bool) or not isinstance(lr, (int, float)) or not lr > 0:
+            raise ValueError(f"outer_lr must be a number > 0, got {lr!r}")
+        if isinstance(momentum, bool) or not isinstance(momentum, (int, float)) or not 0 <= momentum < 1:
+            raise ValueError(f"outer_momentum must be a number in [0, 1), got {momentum!r}")
+        if self.outer_compression is not None and self.outer_compression not in KINDS:
+            raise ValueError(f"outer_compression must be None or one of {', '.join(map(repr, KINDS))}, got "
+                             f"{self.outer_compression!r}")
+        if not _is_int(self.outer_delay, 0) or self.outer_delay >= every:
+            raise ValueError(f"outer_delay must be an int with 0 <= outer_delay < outer_every={every} (one outer "
+                             f"round in flight at a time), got {self.outer_delay!r}")
+        return self
+
+
 POLICIES = {"handoff": HandoffPolicy, "robustness": RobustnessPolicy, "delay": DelayPolicy,
-            "precision": PrecisionPolicy}
+            "precision": PrecisionPolicy, "outer": OuterPolicy}
 """Each policy by the name of its ``AccoOptimizer`` keyword and its ``Options`` field, in the fingerprints' order."""

@@ -110,6 +110,8 @@ class RoundContext:
     delay_scratch: Optional[torch.Tensor] = None
     # the wire format (transport.py, compressed.py): chosen once, with the buffers (buffers.choose_transport)
     transport: Transport = field(default_factory=FullWidth)
+    # outer_every: the outer round across regions (outer.OuterRound), run inside every commit after its step
+    outer: Optional[Any] = None
 
 
 @dataclass
@@ -341,8 +343,8 @@ def _decide(ctx: RoundContext, kind: RoundKind, pairs: torch.Tensor, norm: torch
 def _step(ctx: RoundContext, kind: RoundKind, plan: _StepPlan, decision: _Decision) -> bool:
     """Phase 5. The stepped optimizers' step on the master slice: for real on a commit, on a snapshot on an
     estimate (Opt*, restored by :func:`_publish`), undone where a device flag is set; a corrected commit's step
-    followed by its error feedback (undone with it). Returns whether the snapshot holds theta to restore after
-    the all-gather."""
+    followed by its error feedback (undone with it); then, on a commit, the outer round across regions
+    (``ctx.outer``, ``outer.py``). Returns whether the snapshot holds theta to restore after the all-gather."""
     b, snapshot, stepped, in_kernel = ctx.buffers, ctx.snapshot, plan.stepped, plan.in_kernel
     skipped, undo = decision.skipped, decision.undo
     snapshotted = kind is RoundKind.ESTIMATE and bool(stepped) and not skipped
@@ -369,6 +371,8 @@ def _step(ctx: RoundContext, kind: RoundKind, plan: _StepPlan, decision: _Decisi
             snapshot.stepped = True  # the optimizers' state exists now, for every tensor that keeps one
     if restore:
         snapshot.restore_where(undo, stepped, b.master)  # a flag was raised: as if no step
+    if kind is RoundKind.COMMIT and ctx.outer is not None:  # across regions (outer.py): after the step, its undo
+        ctx.outer.after_commit(b.master)  # and its error feedback; all-gather over outer_group every H commits
     return snapshotted
 
 

@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from . import _validation as V
-from . import agreement, auto, device_api, hooks, mesh
+from . import agreement, auto, device_api, hooks, mesh, outer
 from . import ddp as _ddp
 from .amp import LossScale
 from .buffers import FlatBuffers
@@ -62,6 +62,7 @@ class Groups:
     control_device: torch.device
     rounds: Optional[dist.ProcessGroup] = None  # the rounds' own, until handed to the driver
     model: Optional[dist.ProcessGroup] = None  # the norm's over the model group, until handed to the driver
+    outer: Optional[dist.ProcessGroup] = None  # outer_every: the outer round's, until handed to the driver
 
 
 @dataclass
@@ -95,11 +96,14 @@ def _place(param_groups: List[Dict[str, Any]], classes: Sequence[type], placemen
     return _Placed(layout, index_of_group, placements)
 
 
-def _make_groups(user: Optional[dist.ProcessGroup], shards: LocalShards, options: Options,
-                 device: torch.device) -> Tuple[Groups, Any]:
-    """The rounds' group, the model group of DTensor parameters and the control group; and which parameters this
-    rank counts in the global norm (``mesh.check_replicas``: plain ones must be alike on the model's ranks).
-    Collective on ``user`` (and the model group)."""
+def _make_groups(user: Optional[dist.ProcessGroup], shards: LocalShards, options: Options, device: torch.device,
+                 regions: Any) -> Tuple[Groups, Any]:
+    """The outer round's group (``regions``: :func:`outer.connect_regions` but for the region and the model, given
+    here), the rounds' group, the model group of DTensor parameters and the control group; and which parameters
+    this rank counts in the global norm (``mesh.check_replicas``: plain ones must be alike on the model's ranks).
+    Collective on ``outer_group`` (with ``outer_every``), then on ``user`` (and the model group)."""
+    across = regions((group_size(user), group_rank(user)), sum(t.numel() for t in shards.locals), shards, device,
+                     options.robustness.timeout)
     rounds = None
     if user is not None:
         # Rounds talk on a group of their own, so the user's collectives on the main thread can never
@@ -119,7 +123,7 @@ def _make_groups(user: Optional[dist.ProcessGroup], shards: LocalShards, options
         control = dist.new_group(ranks=dist.get_process_group_ranks(user), backend="gloo",
                                  timeout=options.robustness.timeout, use_local_synchronization=user is not dist.group.WORLD)
         control_device = torch.device("cpu")
-    return Groups(user, model_ranks, control, control_device, rounds, model), counts
+    return Groups(user, model_ranks, control, control_device, rounds, model, across), counts
 
 
 class Runtime:
@@ -128,7 +132,7 @@ class Runtime:
 
     def __init__(self, param_groups: List[Dict[str, Any]], classes: Sequence[type], checked: Options,
                  optimizer_kwargs: Dict[str, Any], *, process_group: Any, buffers: Optional[Iterable[torch.Tensor]],
-                 microbatches_per_update: Optional[int], owner_id: int) -> None:
+                 microbatches_per_update: Optional[int], owner_id: int, outer_group: Any = None) -> None:
         self.param_groups = param_groups  # the front's live groups: rounds read their values at hand-off
         self.params: List[torch.Tensor] = [p for g in param_groups for p in g["params"]]
         compute_dtype = checked.precision.compute_dtype
@@ -154,7 +158,8 @@ class Runtime:
         if user is not None:
             agreement.check_same_model(user, self.fingerprints(), self.layout.numel, len(self.params), device)
             agreement.broadcast_parameters(self.shards.locals, user)
-        self.groups, counts = _make_groups(user, self.shards, o, device)
+        self.groups, counts = _make_groups(user, self.shards, o, device,
+                                           partial(outer.connect_regions, o.outer, outer_group, self.fingerprints()))
         self.flat = FlatBuffers(self.shards.locals, self.layout, self.rank, pr,
                                 separate_grads=o.handoff.accumulate_while_communicating,
                                 collectives=ring_algorithm(self.groups.rounds))
@@ -163,7 +168,7 @@ class Runtime:
         self.flat.shard.host_empty = self.scheduler.host_empty
         self.driver = RoundDriver(self._round_context(counts), self.scheduler, self.progress, self.flat, self.rank,
                                   self.world_size)
-        self.groups.rounds = self.groups.model = None  # the driver's now (it releases them)
+        self.groups.rounds = self.groups.model = self.groups.outer = None  # the driver's now (it releases them)
         # compression="auto": its decision's one owner (auto.py), else None; the driver stamps the window it measures
         self.auto = auto.make(pr, self.layout, self.world_size, o.mode, o.delay.synchronous_updates,
                               self.flat.build_transport, device)
@@ -240,6 +245,7 @@ class Runtime:
             norm_ranges=mesh.counted_ranges(counts, self.layout.pieces(self.rank)),
             delay_scratch=torch.empty_like(self.flat.shard.master) if o.delay.delay_correction else None,
             transport=self.flat.transport,
+            outer=outer.made(o.outer, self.flat.shard.master, self.groups.outer, o.precision.compression_block),
         )
 
     def _make_loop(self) -> Any:
@@ -418,12 +424,14 @@ class Runtime:
 
     def consolidated_state_dict(self) -> Dict[str, Any]:
         self.refuse_mesh("consolidated_state_dict()")
+        outer.refuse_checkpoint(self.driver.ctx.outer, "consolidated_state_dict()")
         state_io.require_boundary(self.owners, "consolidated_state_dict")
         self.session.gather_row([0], "consolidated_state_dict()")  # every rank is here (not one update ahead)
         return state_consolidated.consolidated_state_dict(self.owners)
 
     def load_consolidated_state_dict(self, state_dict: Dict[str, Any]) -> None:
         self.refuse_mesh("load_consolidated_state_dict()")
+        outer.refuse_checkpoint(self.driver.ctx.outer, "load_consolidated_state_dict()")
         state_io.require_boundary(self.owners, "load_consolidated_state_dict")
         state_consolidated.load_consolidated_state_dict(self.owners, state_dict, self.params)
 

@@ -14,6 +14,7 @@ import torch
 from . import legacy as state_legacy
 from . import residual as state_residual
 from ..agreement import snapshot_hyperparams
+from ..outer import refuse_checkpoint
 from .checksums import checksums, verify
 from ..errors import CheckpointError, RanksDisagreeError
 from ..progress import Progress
@@ -60,6 +61,7 @@ def _covered(body: Dict[str, Any], info: Dict[str, Any]) -> Dict[str, Any]:
 
 def state_dict(owners: StateOwners, sharded: bool = False) -> Dict[str, Any]:
     """This rank's state (``sharded``: the form for DCP, without rank and checksums). Local: no collective."""
+    refuse_checkpoint(owners.driver.ctx.outer, "state_dict()")
     require_boundary(owners, "state_dict")
     owners.driver.collect()  # the in-flight commit: its weights stay pending in the round buffer
     owners.driver.read_reports()  # CUDA path: the skip counter is final only once the device has run the rounds
@@ -264,6 +266,7 @@ def load_state_dict(owners: StateOwners, sd: Dict[str, Any], checked: bool = Fal
     """Restore :func:`state_dict` output: this rank's own (same world size), or the sharded form through DCP
     (any world size: the pieces read need only cover this rank's). Refuses anything else before changing any
     state; with ``restore_model=False``, also a model that is not the one the state was saved with. Collective."""
+    refuse_checkpoint(owners.driver.ctx.outer, "load_state_dict()")
     if not checked:
         check_loadable(owners, sd, restore_model, allow_new_microbatches)
     sd = own_entry(sd, owners.rank, owners.world_size)
