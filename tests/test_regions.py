@@ -18,6 +18,7 @@ from _dist import run_ranks
 from oracle import regions_run, update_run
 from tinynet import flat, flat_list, grad_fn, loss_fn, make_model, rel_err
 
+import acco.checkpoint
 from acco import AccoOptimizer
 
 TOL = 1e-5
@@ -155,25 +156,29 @@ def _refusals(rank: int, world: int) -> dict:
                                              outer_group=outer_group, lr=1e-3 * (1 + rank // PER_REGION)))
     opt = attempt("ok", lambda: AccoOptimizer(params(), mode="sync", process_group=region_group, outer_every=2,
                                               outer_group=outer_group))
-    for call in ("state_dict", "sharded_state_dict", "consolidated_state_dict"):
+    for call in ("sharded_state_dict", "consolidated_state_dict"):
         try:
             getattr(opt, call)()
         except NotImplementedError as exc:
             out[call] = str(exc)
+    try:
+        acco.checkpoint.gather(opt)
+    except NotImplementedError as exc:
+        out["gather"] = str(exc)
     opt.finish()
     return out
 
 
 def test_refusals_across_regions():
-    """Groups that are not regions, regions that differ, and checkpoints (the outer state is not saved yet) are
-    refused on every rank, naming what to do."""
+    """Groups that are not regions, regions that differ, and the checkpoint forms that cannot tell regions apart
+    (gathered, consolidated, the bare DCP entries) are refused on every rank, naming what to do."""
     for rank, out in enumerate(run_ranks(_refusals, REGIONS * PER_REGION)):
         assert "ok" not in out, out["ok"]
         assert "outer_group must join rank i of every region" in out["world"], out["world"]
         assert "outer_group= without outer_every" in out["no_every"], out["no_every"]
         assert "disagree on the hyper-parameters" in out["options"], out["options"]
-        for call in ("state_dict", "sharded_state_dict", "consolidated_state_dict"):
-            assert "not checkpointed yet" in out[call], (rank, call, out)
+        for call in ("sharded_state_dict", "consolidated_state_dict", "gather"):
+            assert "the regions hold different weights and states under the same keys" in out[call], (rank, call)
 
 
 @pytest.mark.parametrize("options,error,match", [
@@ -216,3 +221,63 @@ def test_the_example_runs_under_torchrun():
     assert "regions hold the same weights: False" in delayed, delayed
     held = re.search(r"held-out loss by region: (\S+), (\S+)$", delayed, re.M)
     assert held and held.group(1) != held.group(2), delayed
+
+
+RESUME = dict(outer_every=3, outer_delay=2, outer_compression="int8")  # launched at 3, merged at 5
+
+
+def _resume(rank: int, world: int, stop: int, folder: str) -> dict:
+    """8 updates straight, and the same stopped after ``stop`` updates, saved and resumed into fresh objects:
+    per rank (opt.state_dict() and the committed model), or (``folder``) with acco.checkpoint.save/load."""
+    region_group, outer_group = _groups(rank)
+
+    def build():
+        model = make_model()
+        opt = AccoOptimizer(model.parameters(), torch.optim.AdamW, microbatches_per_update=2,
+                            process_group=region_group, outer_group=outer_group, compression_block=16, lr=1e-2,
+                            **RESUME)
+        return model, opt
+
+    def train(model, opt, updates):
+        for t in updates:
+            for j in range(2):
+                (loss_fn(model, rank, t * 2 + j) / 2).backward()
+            opt.step()
+            opt.zero_grad()
+
+    model, opt = build()
+    train(model, opt, range(8))
+    opt.finish()
+    straight = flat(model)
+    model, opt = build()
+    train(model, opt, range(stop))
+    if folder:
+        acco.checkpoint.save(folder, opt, model=model)
+        saved = {}
+    else:
+        saved = opt.state_dict()
+        with opt.committed_weights():
+            weights = {k: v.clone() for k, v in model.state_dict().items()}
+    opt.finish()
+    model, opt = build()
+    if folder:
+        acco.checkpoint.load(folder, opt, model=model)
+    else:
+        model.load_state_dict(weights)
+        opt.load_state_dict(saved)
+    train(model, opt, range(stop, 8))
+    opt.finish()
+    return {"resumed": flat(model), "straight": straight, "keys": sorted(saved.get("outer", {}))}
+
+
+@pytest.mark.parametrize("form", ["per-rank", "dcp"])
+@pytest.mark.parametrize("stop", [4, 6])
+def test_a_region_resumes_bit_identically(stop, form, tmp_path):
+    """Stopped after 4 updates (an outer round in flight, due at 5) or 6 (one just launched, due at 8: the end),
+    saved (each rank's state_dict(), or acco.checkpoint's one folder for every region) and resumed: every rank
+    ends on the very weights of the straight run."""
+    folder = str(tmp_path / "ckpt") if form == "dcp" else ""
+    for rank, res in enumerate(run_ranks(_resume, REGIONS * PER_REGION, stop, folder)):
+        assert torch.equal(res["resumed"], res["straight"]), (rank, (res["resumed"] - res["straight"]).abs().max())
+        if not folder:
+            assert res["keys"] == ["anchor", "base", "counters", "momentum", "received", "residual"], res["keys"]

@@ -16,6 +16,10 @@
   ``fp16`` (``fp16_compress_hook``). The hook's state (PowerSGD's error and
   warm-start matrices) is not in the script's checkpoint: a resumed run starts
   it afresh;
+* ``--regions-of-one``: every rank is a region of its own (``process_group``: a group of this rank alone) and
+  ``outer_group`` is every rank, for the outer step of ``outer_every`` (``--acco-option=outer_every=30``: DiLoCo
+  across the ranks, each running ACCO's rounds alone; ``docs/regions.md``). The loop's checkpoints
+  (``acco.checkpoint.gather``, refused with ``outer_every``) hold nothing then: the study never resumes these runs;
 * ``--estimate-gap``: after every ``step()``, rank 0 logs ``|theta~ - theta|``
   (what the model holds, in mode acco the estimate, against the committed
   update) and ``|theta_{t+1} - theta_t|`` to ``OUT_DIR/estimate_gap.json``.
@@ -55,13 +59,26 @@ def _flat(params) -> torch.Tensor:
 SCREENED = [0]  # estimates computed by screen_estimate's arithmetic, in this process
 
 
-def instrument(options: dict, estimate_gap: bool, out_dir: str, screening: bool = False) -> None:
+def regions_of_one() -> dict:
+    """``AccoOptimizer`` keywords that make every rank a region of its own (``--regions-of-one``), and the loop's
+    checkpoints empty. Collective on WORLD (every rank makes every one-rank group)."""
+    import torch.distributed as dist
+    import acco.checkpoint
+
+    alone = [dist.new_group([r]) for r in range(dist.get_world_size())]
+    acco.checkpoint.gather = lambda optimizer, model=None, dst=0: {"model": {}, "optimizer": {}}
+    return {"process_group": alone[dist.get_rank()], "outer_group": dist.group.WORLD}
+
+
+def instrument(options: dict, estimate_gap: bool, out_dir: str, screening: bool = False,
+               regions: bool = False) -> None:
     base = acco.AccoOptimizer
     rows: list = []
 
     class Instrumented(base):
         def __init__(self, *args, **kwargs):
-            super().__init__(*args, **{**kwargs, **options})
+            placed = regions_of_one() if regions else {}
+            super().__init__(*args, **{**kwargs, **options, **placed})
             self._study_params = [p for g in self.param_groups for p in g["params"]]
             self._study_previous = _flat(self._study_params) if estimate_gap else None
 
@@ -167,17 +184,19 @@ def acco_option(flag: str):
     """``(key, value)`` of ``--acco-option=KEY=VALUE``. ``compression`` and ``estimate_compression`` name a
     format (``int8``, ``int4``), not torch's dtype of that name: the word as it is."""
     key, value = flag.split("=", 1)[1].split("=", 1)
-    return key, value if key in ("compression", "estimate_compression") else option_value(value)
+    return key, value if key in ("compression", "estimate_compression", "outer_compression") else option_value(value)
 
 
 def main(argv: list) -> None:
     nice_in_own_session()
-    options, estimate_gap = {}, False
+    options, estimate_gap, regions = {}, False, False
     blend, hook = 1.0, None
     while argv and argv[0].startswith("--"):
         flag = argv.pop(0)
         if flag == "--estimate-gap":
             estimate_gap = True
+        elif flag == "--regions-of-one":
+            regions = True
         elif flag.startswith("--estimate-blend="):
             blend = float(flag.split("=", 1)[1])
         elif flag.startswith("--ddp-hook="):
@@ -192,7 +211,7 @@ def main(argv: list) -> None:
     script = argv[0]
     out_dir = next((a.split("=", 1)[1] for a in argv[1:] if a.startswith("--out_dir=")), ".")
     screening = blend != 1.0
-    instrument(options, estimate_gap, out_dir, screening=screening)
+    instrument(options, estimate_gap, out_dir, screening=screening, regions=regions)
     if hook is not None:
         register_ddp_hook(hook)
     if screening:

@@ -46,6 +46,10 @@ METHODS: Dict[str, Tuple[str, List[str]]] = {
     "acco-h3": ("train_acco.py", ["--acco-option=estimate_dtype=bfloat16", "--acco-option=estimate_extrapolation=1.2",
                                   "--acco-option=estimate_microbatches=3"]),
     "acco-x15": ("train_acco.py", ["--acco-option=estimate_dtype=bfloat16", "--acco-option=estimate_extrapolation=1.5"]),
+    # across regions (issue 80): each rank a region of its own running the default's rounds, an outer step
+    # (DiLoCo's SGD 0.7, Nesterov 0.9) every 30 updates across the ranks, merged at once
+    "regions-h30": ("train_acco.py", ["--regions-of-one", "--acco-option=estimate_dtype=bfloat16",
+                                      "--acco-option=estimate_extrapolation=1.2", "--acco-option=outer_every=30"]),
 }
 # method -> its label in the speed benchmark (benchmarks/overlap.py), for the composed time to DDP's loss
 SPEED_LABELS = {"ddp": "ddp", "acco": "acco:estimate-bf16", "acco-paper": "acco", "acco-int8": "acco-int8",

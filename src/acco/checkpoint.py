@@ -33,6 +33,7 @@ import torch.distributed as dist
 
 from .state import legacy as state_legacy
 from .agreement import first_line
+from .outer import refuse_checkpoint
 from .state.checksums import CheckpointError, checksums, replicated_only, verify
 from .state.format import (FORMAT_VERSION, GATHERED, IMPLEMENTATION_FLAGS, PER_RANK_SECTIONS, check_compatible,
                            decode_meta)
@@ -90,6 +91,7 @@ def gather(optimizer: "AccoOptimizer", *, model: Optional[torch.nn.Module] = Non
     others ``None``. Call it at an update boundary, on every rank; for another world size at load, use
     :func:`save`/:func:`load` (DCP) instead.
     """
+    refuse_checkpoint(optimizer.runtime.driver.ctx.outer, "acco.checkpoint.gather()")
     _same_call(optimizer, "acco.checkpoint.gather()")
     group = optimizer.process_group
     own = _cpu_copy(optimizer.state_dict())  # waits for the in-flight commit
@@ -156,11 +158,11 @@ def save(path: str, optimizer: "AccoOptimizer", *, model: Optional[torch.nn.Modu
     optim = state_io.state_dict(optimizer.runtime.owners, sharded=True)
     sd: Dict[str, Any] = {"optim": {shard: optim} if shard else optim, "extra": dict(extra or {})}
     if model is not None:
-        sd["model"] = model.state_dict()
+        sd["model"] = _nest_model(model.state_dict(), optimizer, shard)
     sums = checksums(sd)  # verified by load()
     # Each rank's pieces (with DTensor parameters: its model shard's entries) are entries of its own; the rest
     # every rank holds alike (kept where they agree).
-    own = {k: v for k, v in sums.items() if k.startswith((f"optim/{shard}/",) if shard else _PIECES)}
+    own = {k: v for k, v in sums.items() if k.startswith((f"optim/{shard}/", f"model/{shard}/") if shard else _PIECES)}
     common = replicated_only({k: v for k, v in sums.items() if k not in own}, group if dist.is_initialized() else None,
                              optimizer.device)
     sd["checksums"] = {**own, **common}
@@ -185,7 +187,11 @@ def _place(optimizer: "AccoOptimizer") -> tuple:
     """The group that writes and reads a checkpoint, and the name its optimizer entries are nested under:
     the optimizer's group and none; with DTensor parameters, every rank of the mesh (the default group) and
     this rank's model shard (``"shard1"``), as ranks of different shards hold different tensors under the
-    same piece keys."""
+    same piece keys; with ``outer_every``, every rank of every region (the default group) and this rank's region
+    (``"region1"``), as regions hold different weights (the model's entries too)."""
+    outer = optimizer.runtime.driver.ctx.outer
+    if outer is not None:  # every region writes one folder: its entries under its name (regions differ)
+        return outer.checkpoint_group(optimizer.world_size), f"region{outer.region}"
     shards = optimizer.runtime.shards
     return shards.checkpoint_group(optimizer.process_group), shards.shard_name()
 
@@ -281,7 +287,8 @@ def load(path: str, optimizer: "AccoOptimizer", *, model: Optional[torch.nn.Modu
     }
     trained = {}  # the model's entries that are this optimizer's parameters: restored from its slices instead
     if model is not None:
-        trained, sd["model"] = _model_entries(model, optimizer)
+        trained, entries = _model_entries(model, optimizer)
+        sd["model"] = _nest_model(entries, optimizer, shard)
     sd["checksums"] = {k.split(".", 1)[1]: torch.zeros((), dtype=torch.int64) for k in meta
                        if k.startswith("checksums.")}
     read(sd)
@@ -295,7 +302,8 @@ def load(path: str, optimizer: "AccoOptimizer", *, model: Optional[torch.nn.Modu
     if model is not None:
         # The trained parameters load from themselves here; load_state_dict below writes them from the
         # checkpoint's pieces (all-gathered into the idle round buffer): no model-sized copy.
-        model.load_state_dict({**sd["model"], **{k: v.detach() for k, v in trained.items()}})
+        read_model = sd["model"][shard] if _regions(optimizer) else sd["model"]
+        model.load_state_dict({**read_model, **{k: v.detach() for k, v in trained.items()}})
     load_state_dict(owners, optim, checked=True)
     return sd["extra"]
 
@@ -357,6 +365,16 @@ def _reader(path: str, group: Any, no_dist: bool, where: str) -> Any:
     return read
 
 
+def _regions(optimizer: "AccoOptimizer") -> bool:
+    return optimizer.runtime.driver.ctx.outer is not None
+
+
+def _nest_model(entries: Dict[str, Any], optimizer: "AccoOptimizer", shard: Optional[str]) -> Dict[str, Any]:
+    """The model's entries as a checkpoint holds them: under the region's name with ``outer_every`` (regions hold
+    different weights), else as they are."""
+    return {shard: entries} if _regions(optimizer) else entries
+
+
 def _model_entries(model: torch.nn.Module, optimizer: "AccoOptimizer") -> tuple:
     """The model's entries that are this optimizer's parameters (restored from its slices, not read), and
     copies for the rest (buffers, frozen parameters) to read into: the model changes only once everything is
@@ -374,7 +392,9 @@ def _model_entries(model: torch.nn.Module, optimizer: "AccoOptimizer") -> tuple:
 def _verify_read(sd: Dict[str, Any], trained: Dict[str, Any], info: Dict[str, Any], owners: Any, where: str) -> None:
     """The checksums of what was read against those saved (less the trained parameters' model entries, not
     read: they come from the optimizer's pieces); raises :class:`CheckpointError`. Format 2: collective."""
-    expected = {k: v for k, v in sd.pop("checksums").items() if not (k.startswith("model/") and k[6:] in trained)}
+    # a model entry's key: "model/NAME", or with outer_every "model/REGION/NAME"
+    expected = {k: v for k, v in sd.pop("checksums").items()
+                if not (k.startswith("model/") and k[6:].split("/", 1)[-1] in trained)}
     if state_legacy.is_legacy(info):  # format 2: a flat entry's checksum is the sum of its slices' over ranks
         got = state_legacy.dcp_checksums(sd, owners.rank, owners.layout.shard_size, owners.process_group,
                                          owners.flat.master.device)

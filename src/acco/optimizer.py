@@ -37,6 +37,7 @@ from .agreement import hyper_fingerprint
 from .driver import RoundDriver
 from .introspection import Introspection
 from .options import Options, check_arguments, keyword_signature, split_keywords
+from .outer import refuse_checkpoint
 from .policies import DelayPolicy, HandoffPolicy, OuterPolicy, PrecisionPolicy, RobustnessPolicy
 from .runtime import Runtime, make_closer
 from .state import io as state_io
@@ -341,6 +342,7 @@ class AccoOptimizer(Introspection, torch.optim.Optimizer):
         """The state for ``torch.distributed.checkpoint``: each rank's pieces keyed by parameter and first
         element, so DCP writes each once and a load on any world size reads those it needs. Local."""
         self._runtime.refuse_mesh("sharded_state_dict()")
+        refuse_checkpoint(self._runtime.driver.ctx.outer, "sharded_state_dict()")
         return state_io.state_dict(self._runtime.owners, sharded=True)
 
     def load_state_dict(self, state_dict: Dict[str, Any], *, restore_model: bool = False,

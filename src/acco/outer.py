@@ -25,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from . import agreement
-from .collectives import connect, group_size, new_round_group, release_round_group, resolve_process_group
+from .collectives import connect, group_rank, group_size, new_round_group, release_round_group, resolve_process_group
 from .quantize import dequantize_add_, packed_size, quantize, residual_of
 from .wrapped import local_step
 
@@ -33,11 +33,13 @@ __all__ = ["OuterRound", "connect_regions", "made", "mean_of_sent", "merged", "p
 
 
 def refuse_checkpoint(outer: Optional["OuterRound"], call: str) -> None:
-    """Checkpoints do not hold the outer state yet: refused rather than resumed without it. Local."""
+    """The checkpoint forms that cannot tell the regions apart (gathered, consolidated, the bare DCP entries):
+    refused with ``outer_every``. Local."""
     if outer is not None:
-        raise NotImplementedError(f"AccoOptimizer.{call} with outer_every: the outer state (anchor, momentum, "
-                                  "residual) is not checkpointed yet, and a run resumed without it would differ from "
-                                  "the straight run. Drop outer_every to checkpoint")
+        raise NotImplementedError(
+            f"AccoOptimizer {call} with outer_every: the regions hold different weights and states under the same "
+            "keys in this form. Use acco.checkpoint.save/load (each region's entries under its name), or "
+            "torch.save(opt.state_dict(), ...) on every rank of every region (docs/regions.md)")
 
 
 def connect_regions(policy: Any, outer_group: Any, fields: List[Tuple[str, Any]], region: Tuple[int, int],
@@ -120,7 +122,7 @@ class OuterRound:
         self.every, self.delay, self.kind, self.block = (policy.outer_every, policy.outer_delay,
                                                           policy.outer_compression, block)
         self.group = group
-        self.regions = group_size(group)
+        self.regions, self.region = group_size(group), group_rank(group)  # this rank's region: its index in group
         n = master.numel()
         self.anchor = master.detach().clone()  # A: the weights after the last outer round (θ_0 at first)
         momentum = float(policy.outer_momentum)
@@ -169,12 +171,74 @@ class OuterRound:
         self.anchor.grad = None
         merged(master, self.anchor, self.base, self.delay)
 
+    def state(self) -> Dict[str, torch.Tensor]:
+        """This rank's outer state, copied (``state/outer_state.py``): waits for a round in flight (every region
+        issued it at the same commit) and keeps its bytes and launch weights for the merge it is due."""
+        if self.work is not None:
+            self.work.wait()
+            self.work = None
+        momentum = self.optimizer.state.get(self.anchor, {}).get("momentum_buffer")
+        out = {"anchor": self.anchor, "momentum": momentum, "residual": self.residual}
+        if self.merge_at is not None:
+            out.update(base=self.base, received=self.recv)
+        out = {k: v.detach().clone() for k, v in out.items() if v is not None}
+        out["counters"] = torch.tensor([self.commits, -1 if self.merge_at is None else self.merge_at])
+        return out
+
+    def layout_of_state(self, in_flight: bool) -> Dict[str, Tuple[Tuple[int, ...], torch.dtype]]:
+        """The shape and dtype of each tensor :meth:`state` saves (``in_flight``: with a round in flight)."""
+        like = (tuple(self.anchor.shape), self.anchor.dtype)
+        out = {"anchor": like}
+        if "momentum_buffer" in self.optimizer.state.get(self.anchor, {}):
+            out["momentum"] = like
+        if self.residual is not None:
+            out["residual"] = (tuple(self.residual.shape), self.residual.dtype)
+        if in_flight:
+            out.update(base=like, received=(tuple(self.recv.shape), self.recv.dtype))
+        return out
+
+    def load(self, saved: Dict[str, torch.Tensor]) -> None:
+        """Take :meth:`state`'s output (checked by ``state/outer_state.check``)."""
+        self.settle()
+        with torch.no_grad():
+            self.anchor.copy_(saved["anchor"])
+            if "momentum" in saved:
+                self.optimizer.state[self.anchor]["momentum_buffer"].copy_(saved["momentum"])
+            if self.residual is not None:
+                self.residual.copy_(saved["residual"])
+            commits, merge_at = (int(v) for v in saved["counters"].tolist())
+            self.commits, self.merge_at = commits, None if merge_at < 0 else merge_at
+            if self.merge_at is not None:
+                self.base.copy_(saved["base"])
+                self.recv.copy_(saved["received"])
+
+    def start_from(self, master: torch.Tensor, updates: int) -> None:
+        """The outer rounds afresh from ``master`` after ``updates`` updates: a loaded state without one."""
+        self.settle()
+        with torch.no_grad():
+            self.anchor.copy_(master)
+            momentum = self.optimizer.state.get(self.anchor, {}).get("momentum_buffer")
+            for t in (momentum, self.residual):
+                if t is not None:
+                    t.zero_()
+        self.commits = updates
+
     def settle(self) -> None:
         """Wait for an outer round still in flight (at ``finish()``): it is not merged (the model keeps its
         region's last commit), but its all-gather must end before the group is released."""
         if self.work is not None:
             self.work.wait()
         self.work = self.merge_at = None
+
+    def checkpoint_group(self, region_size: int) -> Optional[dist.ProcessGroup]:
+        """The group a DCP checkpoint of every region is written and read by: the default group, which the regions
+        must make up exactly (DCP names its files by rank)."""
+        if self.regions * region_size != dist.get_world_size():
+            raise NotImplementedError(
+                f"acco.checkpoint with outer_every: {self.regions} regions of {region_size} ranks are not the "
+                f"{dist.get_world_size()} ranks of the default group, which writes the checkpoint. Save "
+                "opt.state_dict() per rank instead (docs/regions.md)")
+        return dist.group.WORLD
 
     def release(self, abort: bool = False) -> None:
         """Release the outer group (a group of the optimizer's own), after the round in flight has ended unless

@@ -44,9 +44,9 @@ __all__ = ["AccoStateDict", "FORMAT_VERSION", "PER_RANK_SECTIONS", "PIECE_SECTIO
 FORMAT_VERSION = 3
 # The per-piece sections of a state dict (format 3), in this order wherever they are written or read.
 PIECE_SECTIONS = ("master", "params", "state", "entries", "scalars")
-# The sections whose entries differ between ranks (the pieces, and compression's residuals, state/residual.py):
-# each rank writes, and checksums, its own.
-PER_RANK_SECTIONS = (*PIECE_SECTIONS, "residual")
+# The sections whose entries differ between ranks (the pieces, compression's residuals, state/residual.py, and
+# outer_every's slices, state/outer_state.py): each rank writes, and checksums, its own.
+PER_RANK_SECTIONS = (*PIECE_SECTIONS, "residual", "outer")
 GATHERED = "acco_ranks"  # acco.checkpoint.gather(): every rank's state_dict(), in rank order
 
 # Param-group keys that choose how the wrapped optimizer computes, not what: neither saved nor restored, so a

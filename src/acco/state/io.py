@@ -12,9 +12,9 @@ from typing import Any, Dict, Optional
 import torch
 
 from . import legacy as state_legacy
+from . import outer_state
 from . import residual as state_residual
 from ..agreement import snapshot_hyperparams
-from ..outer import refuse_checkpoint
 from .checksums import checksums, verify
 from ..errors import CheckpointError, RanksDisagreeError
 from ..progress import Progress
@@ -61,7 +61,6 @@ def _covered(body: Dict[str, Any], info: Dict[str, Any]) -> Dict[str, Any]:
 
 def state_dict(owners: StateOwners, sharded: bool = False) -> Dict[str, Any]:
     """This rank's state (``sharded``: the form for DCP, without rank and checksums). Local: no collective."""
-    refuse_checkpoint(owners.driver.ctx.outer, "state_dict()")
     require_boundary(owners, "state_dict")
     owners.driver.collect()  # the in-flight commit: its weights stay pending in the round buffer
     owners.driver.read_reports()  # CUDA path: the skip counter is final only once the device has run the rounds
@@ -71,6 +70,7 @@ def state_dict(owners: StateOwners, sharded: bool = False) -> Dict[str, Any]:
     if scale is not None:
         out["loss_scale"] = torch.tensor(scale, dtype=torch.float64)
     out.update(state_residual.entries(owners, sharded))  # compression: this rank's error feedback
+    out.update(outer_state.entries(owners, sharded))  # outer_every: this rank's slice of the outer state
     described = {**owners.describe, **describe_wire(owners)}
     if sharded:
         out["meta"] = encode_meta(described)
@@ -199,6 +199,16 @@ def _committed_reconstruction(owners: StateOwners, saved: Saved, pieces, codec: 
     return reconstructed(reference, master, *codec)
 
 
+def _verify_rank_file(owners: StateOwners, sd: Dict[str, Any], info: Dict[str, Any], legacy: bool) -> None:
+    """A per-rank state dict's checksums against its tensors and description; raises :class:`CheckpointError`."""
+    if not isinstance(sd.get("checksums"), dict):
+        raise CheckpointError("AccoOptimizer.load_state_dict(): the state dict has no checksums. Nothing was loaded.")
+    body = {k: v for k, v in sd.items() if k not in ("acco", "checksums")}
+    got = (state_legacy.checksums(_covered(body, info), owners.rank, owners.layout.shard_size) if legacy
+           else checksums(_covered(body, info)))
+    verify(got, sd["checksums"], "AccoOptimizer.load_state_dict()")
+
+
 def check_loadable(owners: StateOwners, sd: Dict[str, Any], restore_model: bool = True,
                    allow_new_microbatches: bool = False, error: Optional[BaseException] = None) -> None:
     """Everything :func:`load_state_dict` refuses, checked on every rank and agreed on before any rank changes
@@ -214,12 +224,7 @@ def check_loadable(owners: StateOwners, sd: Dict[str, Any], restore_model: bool 
         check_compatible(owners.describe, info, kind == "rank_shard", owners.rank, owners.world_size)
         legacy = state_legacy.is_legacy(info)
         if kind == "rank_shard":
-            if not isinstance(sd.get("checksums"), dict):
-                raise CheckpointError("AccoOptimizer.load_state_dict(): the state dict has no checksums. Nothing was loaded.")
-            body = {k: v for k, v in sd.items() if k not in ("acco", "checksums")}
-            got = (state_legacy.checksums(_covered(body, info), owners.rank, owners.layout.shard_size) if legacy
-                   else checksums(_covered(body, info)))
-            verify(got, sd["checksums"], "AccoOptimizer.load_state_dict()")
+            _verify_rank_file(owners, sd, info, legacy)
         elif legacy:
             listed, held = len(sd["state"]) + len(sd["scalars"]), info.get("state_entries")
             if held is not None and listed != held:
@@ -252,6 +257,7 @@ def check_loadable(owners: StateOwners, sd: Dict[str, Any], restore_model: bool 
                 raise ValueError(f"AccoOptimizer.load_state_dict(): {exc}. Nothing was loaded.") from None
         require_boundary(owners, "load_state_dict")
         state_residual.check(owners, sd, info)
+        outer_state.check(owners, sd)
         if owners.auto is not None:
             owners.auto.saved_kind(info)  # a choice this acco knows
         if kind == "rank_shard" and not restore_model:
@@ -266,7 +272,6 @@ def load_state_dict(owners: StateOwners, sd: Dict[str, Any], checked: bool = Fal
     """Restore :func:`state_dict` output: this rank's own (same world size), or the sharded form through DCP
     (any world size: the pieces read need only cover this rank's). Refuses anything else before changing any
     state; with ``restore_model=False``, also a model that is not the one the state was saved with. Collective."""
-    refuse_checkpoint(owners.driver.ctx.outer, "load_state_dict()")
     if not checked:
         check_loadable(owners, sd, restore_model, allow_new_microbatches)
     sd = own_entry(sd, owners.rank, owners.world_size)
@@ -289,6 +294,7 @@ def load_state_dict(owners: StateOwners, sd: Dict[str, Any], checked: bool = Fal
     if owners.auto is not None:  # the saving run's format (compression="auto"), before its residual goes in
         owners.auto.loaded(info, owners.driver)
     state_residual.restore(owners, sd)
+    outer_state.restore(owners, sd)  # after the master: a state without one starts the outer rounds from it
     owners.progress.take_hyper(snapshot_hyperparams(owners.param_groups))
     if owners.loss_scale is not None:
         owners.loss_scale.load(float(sd["loss_scale"]) if "loss_scale" in sd else None)

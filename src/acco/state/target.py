@@ -13,6 +13,7 @@ import torch
 
 from ..progress import Progress
 from . import legacy as state_legacy
+from . import outer_state
 from . import residual as state_residual
 from .format import StateOwners, empty_sections, parse_piece_key
 from .pieces import wanted
@@ -55,6 +56,7 @@ def load_target(owners: StateOwners, meta: Dict[str, Any], meta_keys: Dict[str, 
     if pre + "loss_scale" in meta:
         out["loss_scale"] = torch.zeros((), dtype=torch.float64)
     out.update(state_residual.target(owners, meta, pre, info))
+    out.update(outer_state.target(owners, meta, pre))
     for i, a in wanted(layout, rank, saved):
         key = f"{i}:{a}"
         for section in ("master", "params", "entries"):

@@ -1,0 +1,183 @@
+"""Tokens/s across two regions (issue 80): two namespaces of two ranks each, the ranks of a region on the
+namespace's own route (fast), the regions over one rate-limited link (slow), against DDP, flat ACCO + int8 and
+the same 4 ranks without any communication.
+
+    sudo .venv/bin/python benchmarks/regions_speed.py --calibrate        # loopback: compute time, the rate for x
+    sudo .venv/bin/python benchmarks/netns.py up --ranks 2 --rate-mbit R  # one namespace per region
+    sudo .venv/bin/python benchmarks/regions_speed.py --rate-mbit R --repeats 3 --out runs/bench/regions.jsonl
+    .venv/bin/python benchmarks/regions_speed.py --loopback --smoke      # CI: the script runs
+
+Each region is one namespace of ``benchmarks/netns.py`` (``acco-r0``, ``acco-r1``) holding a torchrun of two
+ranks (``_launch.two_hosts``). The model is ``examples/gpt``'s byte-level GPT, 2 micro-batches per update, AdamW.
+Methods, interleaved in every repeat:
+
+- ``compute-only``: each rank trains alone (torch's AdamW, no collective in the timed window);
+- ``ddp``: ``DistributedDataParallel`` over the 4 ranks, ``no_sync`` on the first micro-batch (one fp32
+  all-reduce per update);
+- ``acco-int8``: ``AccoOptimizer(compression="int8")`` over the 4 ranks (flat ACCO);
+- ``region-only``: ``AccoOptimizer`` inside each region and nothing across (what the regions' own rounds cost
+  on this machine, the ceiling of ``regions-hH``);
+- ``regions-hH``: ``AccoOptimizer`` inside each region (the default, fp32 over the fast route), an outer round
+  every ``H`` updates over the slow link, its pseudo-gradient in int8 (``outer_compression``) and merged
+  ``min(--delay, H - 1)`` updates after its launch.
+
+After 2 warm-up updates, ``ddp`` and ``acco-int8`` time ``--updates`` updates, ``regions-hH`` whole outer periods
+of at least 60 updates (its last round, in flight at ``finish()``, is waited for), the others 60. Rank 0 records
+tokens/s (every rank's tokens). No delay line: this kernel has no ``netem`` (``netns.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import _launch  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+METHODS = ["compute-only", "region-only", "ddp", "acco-int8", "regions-h10", "regions-h30", "regions-h100"]
+
+
+def timed_updates(method: str, per_update: int) -> int:
+    """Updates in a run's timed window: ``per_update`` for the methods bound by the slow link (DDP, flat ACCO),
+    whole outer periods (at least 60 updates) for ``regions-hH``, 60 for the others."""
+    if method.startswith("regions-h"):
+        every = int(method[len("regions-h"):])
+        return max(2 * every, -(-60 // every) * every)
+    return per_update if method in ("ddp", "acco-int8") else 60
+
+
+def worker(args) -> None:
+    """One rank of one method (under torchrun)."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.nn.parallel import DistributedDataParallel
+
+    sys.path.insert(0, str(ROOT / "src"))
+    sys.path.insert(0, str(ROOT / "examples" / "gpt"))
+    from model import GPT, GPTConfig  # examples/gpt/model.py
+
+    from acco import AccoOptimizer
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("region", "dp"))
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(seq_len=args.seq_len, d_model=args.dim, n_layers=args.layers, n_heads=4,
+                          local_window=args.seq_len))
+    method, m = args.worker, args.microbatches
+    step_model = model
+    if method == "ddp":
+        step_model = DistributedDataParallel(model)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    elif method == "compute-only":
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    elif method == "acco-int8":
+        opt = AccoOptimizer(model.parameters(), microbatches_per_update=m, compression="int8", lr=1e-4)
+    elif method == "region-only":
+        opt = AccoOptimizer(model.parameters(), microbatches_per_update=m, process_group=mesh["dp"], lr=1e-4)
+    else:
+        every = int(method[len("regions-h"):])
+        opt = AccoOptimizer(model.parameters(), microbatches_per_update=m, process_group=mesh["dp"],
+                            outer_group=mesh["region"], outer_every=every, outer_delay=min(args.delay, every - 1),
+                            outer_compression="int8", lr=1e-4)
+    g = torch.Generator().manual_seed(dist.get_rank())
+    data = [torch.randint(256, (args.batch, args.seq_len + 1), generator=g) for _ in range(m)]
+
+    def update() -> None:
+        for j, x in enumerate(data):
+            quiet = step_model.no_sync() if method == "ddp" and j < m - 1 else contextlib.nullcontext()
+            with quiet:
+                (F.cross_entropy(step_model(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()) / m).backward()
+        opt.step()
+        opt.zero_grad()
+
+    for _ in range(2):
+        update()
+    dist.barrier()
+    n = timed_updates(method, args.updates)
+    t0 = time.perf_counter()
+    for _ in range(n):
+        update()
+    if hasattr(opt, "finish"):
+        opt.finish()  # the last rounds' weights are in place (and the last outer round ended): their time counts
+    dist.barrier()
+    elapsed = time.perf_counter() - t0
+    if dist.get_rank() == 0:
+        tokens = n * m * args.batch * args.seq_len * dist.get_world_size()
+        Path(args.out).write_text(json.dumps({
+            "method": method, "tokens_per_s": tokens / elapsed, "s_per_update": elapsed / n, "updates": n,
+            "params": sum(p.numel() for p in model.parameters())}))
+    dist.destroy_process_group()
+
+
+def one_run(method: str, args) -> dict:
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "record.json"
+        wargs = ["--worker", method, "--dim", str(args.dim), "--layers", str(args.layers), "--batch", str(args.batch),
+                 "--seq-len", str(args.seq_len), "--microbatches", str(args.microbatches), "--updates",
+                 str(args.updates), "--delay", str(args.delay), "--out", str(out)]
+        script = [str(Path(__file__).resolve()), *wargs]
+        logs, failed = _launch.run_processes(_launch.two_hosts(script, args.loopback), timeout=1800)
+        if failed or not out.exists():
+            raise RuntimeError(f"{method} failed:\n" + "\n".join(t[-3000:] for t in logs))
+        return json.loads(out.read_text())
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--worker", choices=METHODS, help=argparse.SUPPRESS)
+    p.add_argument("--methods", nargs="+", choices=METHODS, default=METHODS)
+    p.add_argument("--dim", type=int, default=128)
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--batch", type=int, default=8)
+    p.add_argument("--seq-len", type=int, default=64)
+    p.add_argument("--microbatches", type=int, default=2)
+    p.add_argument("--updates", type=int, default=6, help="timed updates of the per-update methods")
+    p.add_argument("--delay", type=int, default=8, help="outer_delay of regions-hH (at most H - 1)")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--rate-mbit", type=float, default=None, help="the testbed's rate, recorded with each run")
+    p.add_argument("--loopback", action="store_true", help="no namespaces: 4 ranks on loopback")
+    p.add_argument("--calibrate", action="store_true", help="loopback, compute-only once: the rate for x = 50")
+    p.add_argument("--smoke", action="store_true", help="tiny model, one repeat, loopback, H = 10 only")
+    p.add_argument("--out", default=None, help="JSON lines, one per run (appended)")
+    args = p.parse_args()
+    if args.worker:
+        worker(args)
+        return
+    if args.smoke:
+        args.dim, args.layers, args.batch, args.seq_len, args.updates, args.repeats = 32, 1, 1, 16, 2, 1
+        args.loopback, args.methods = True, ["compute-only", "region-only", "ddp", "acco-int8", "regions-h10"]
+    if args.calibrate:
+        args.loopback = True
+        r = one_run("compute-only", args)
+        # x: the model's fp32 bytes once over the link, over half an update's compute
+        bits = 4 * r["params"] * 8
+        for x in (10, 50, 100):
+            print(f"x = {x}: {bits / (x * r['s_per_update'] / 2) / 1e6:.1f} Mbit/s")
+        print(f"compute-only: {r['s_per_update']:.3f} s per update, {r['params'] / 1e6:.2f}M parameters")
+        return
+    if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for rep in range(args.repeats):
+        for method in args.methods:  # interleaved
+            r = one_run(method, args)
+            r.update(repeat=rep, rate_mbit=None if args.loopback else args.rate_mbit, loopback=args.loopback,
+                     delay=args.delay)
+            rows.append(r)
+            _launch.record_row(r, args.out)
+    if "compute-only" in args.methods:
+        for method in args.methods:
+            _launch.print_speedup(rows, [], method, "compute-only")
+
+
+if __name__ == "__main__":
+    main()
