@@ -107,6 +107,7 @@ def worker(args) -> None:
     for _ in range(n):
         update()
     if hasattr(opt, "finish"):
+        memory = opt.memory_report()  # before finish(): the outer state per rank, and the master slice beside it
         opt.finish()  # the last rounds' weights are in place (and the last outer round ended): their time counts
     dist.barrier()
     elapsed = time.perf_counter() - t0
@@ -114,7 +115,9 @@ def worker(args) -> None:
         tokens = n * m * args.batch * args.seq_len * dist.get_world_size()
         Path(args.out).write_text(json.dumps({
             "method": method, "tokens_per_s": tokens / elapsed, "s_per_update": elapsed / n, "updates": n,
-            "params": sum(p.numel() for p in model.parameters())}))
+            "params": sum(p.numel() for p in model.parameters()),
+            **({"outer_bytes": memory.get("outer", 0), "master_bytes": memory["master"]} if hasattr(opt, "finish")
+               else {})}))
     dist.destroy_process_group()
 
 

@@ -97,6 +97,19 @@ def test_mesh_speed_smoke(tmp_path):
     assert "fsdp2-acco / hsdp-adamw tokens/s: median" in out, out
 
 
+def test_regions_speed_smoke(tmp_path):
+    """benchmarks/regions_speed.py runs every method it compares on two regions of two ranks on loopback, records
+    the outer state's bytes, and prints each method's tokens/s against compute-only."""
+    out = run_command([sys.executable, str(BENCH / "regions_speed.py"), "--smoke", "--out", str(tmp_path / "s.jsonl")],
+                      timeout=600)
+    rows = [json.loads(line) for line in (tmp_path / "s.jsonl").read_text().splitlines()]
+    assert [r["method"] for r in rows] == ["compute-only", "region-only", "ddp", "acco-int8", "regions-h10"]
+    assert all(r["tokens_per_s"] > 0 for r in rows)
+    outer = next(r for r in rows if r["method"] == "regions-h10")
+    assert outer["updates"] == 60 and outer["outer_bytes"] > outer["master_bytes"] > 0, outer
+    assert "regions-h10 / compute-only tokens/s: median" in out, out
+
+
 def test_torchtitan_speed_smoke(tmp_path):
     """benchmarks/torchtitan_speed.py runs torchtitan's HSDP and torchtitan + ACCO on 4 ranks on loopback, reads
     torchtitan's own tps from its log and prints their ratio."""

@@ -122,15 +122,18 @@ def test_regions_match_the_oracle(name):
 
 
 def test_the_outer_state_is_a_slice():
-    """memory_report()["outer"]: the anchor, the momentum and the launch's copy of this rank's slice (each as many
-    bytes as the master slice) and the round's bytes out and in; with int8, a residual and a quarter of the bytes."""
+    """memory_report()["outer"]: the anchor and the momentum of this rank's slice (each as many bytes as the master
+    slice), the launch's copy with outer_delay > 0, and the round's bytes out and in; with int8, a residual and a
+    quarter of the bytes."""
     res = _results()[0]
     plain, int8 = res["adamw/acco/every2"], res["adamw/acco/every2-int8"]
+    delayed = res["adamw/acco/every3-delay1"]
     master = plain["master_bytes"]
-    assert plain["outer_bytes"] == 3 * master + master + REGIONS * master, plain
+    assert plain["outer_bytes"] == 2 * master + master + REGIONS * master, plain
+    assert delayed["outer_bytes"] == 3 * master + master + REGIONS * master, delayed
     n = master // 4
     packed = 4 * -(-n // 16) + 4 * -(-n // 4)
-    assert int8["outer_bytes"] == 4 * master + packed * (1 + REGIONS), int8
+    assert int8["outer_bytes"] == 3 * master + packed * (1 + REGIONS), int8
 
 
 def _refusals(rank: int, world: int) -> dict:

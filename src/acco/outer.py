@@ -131,7 +131,8 @@ class OuterRound:
         if momentum > 0:  # held from the start (memory_report); torch's first step makes it the gradient either way
             self.optimizer.state[self.anchor]["momentum_buffer"] = torch.zeros_like(self.anchor)
         self.residual = torch.zeros(n, dtype=torch.float32, device=master.device) if self.kind else None
-        self.base = torch.empty_like(self.anchor)  # θ at the launch of the round in flight (outer_delay > 0)
+        # θ at the launch of the round in flight, kept until its merge: only with outer_delay > 0
+        self.base = torch.empty_like(self.anchor) if self.delay else torch.empty(0, device=master.device)
         width = packed_size(n, block, self.kind) if self.kind else 4 * n
         self.send = torch.empty(width, dtype=torch.uint8, device=master.device)
         self.recv = torch.empty(self.regions * width, dtype=torch.uint8, device=master.device)
@@ -152,7 +153,8 @@ class OuterRound:
 
     def _launch(self, master: torch.Tensor) -> None:
         """Collective on ``outer_group`` (an all-gather of every region's bytes, not waited for here)."""
-        self.base.copy_(master)
+        if self.delay:
+            self.base.copy_(master)
         pseudo_gradient_sent(self.anchor, master, self.kind, self.block, self.send, self.residual)
         if self.group is None:
             self.recv.copy_(self.send)
