@@ -19,7 +19,13 @@ Methods, interleaved in every repeat:
   on this machine, the ceiling of ``regions-hH``);
 - ``regions-hH``: ``AccoOptimizer`` inside each region (the default, fp32 over the fast route), an outer round
   every ``H`` updates over the slow link, its pseudo-gradient in int8 (``outer_compression``) and merged
-  ``min(--delay, H - 1)`` updates after its launch.
+  ``min(--delay, H - 1)`` updates after its launch;
+- ``torchft-hH`` (with ``--torchft-python``, an interpreter with torchft installed): torchft's ``DiLoCo`` as its
+  tests run it, each region a replica group (its own torchrun; DDP over its two ranks, torch's AdamW inside), a
+  ``Manager`` per rank (gloo across regions, synchronous quorum, ``init_sync=False``: every rank starts from one
+  seed), the lighthouse in the first region, DiLoCo's outer SGD 0.7 / Nesterov 0.9 every ``H`` updates; fp32
+  pseudo-gradients (its 8-bit path is triton's, GPU only), ``fragment_sync_delay`` 0. It warms up ``H`` updates
+  (one sync aligns the regions) and times ``2H`` (whole periods); rank 0 of the first region records.
 
 After 2 warm-up updates, ``ddp`` and ``acco-int8`` time ``--updates`` updates, ``regions-hH`` whole outer periods
 of at least 60 updates (its last round, in flight at ``finish()``, is waited for), the others 60. Rank 0 records
@@ -42,6 +48,8 @@ import _launch  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 METHODS = ["compute-only", "region-only", "ddp", "acco-int8", "regions-h10", "regions-h30", "regions-h100"]
+TORCHFT = ["torchft-h10", "torchft-h30", "torchft-h100"]  # with --torchft-python: torchft's DiLoCo, same H
+LIGHTHOUSE_PORT = 29510
 
 
 def timed_updates(method: str, per_update: int) -> int:
@@ -53,8 +61,91 @@ def timed_updates(method: str, per_update: int) -> int:
     return per_update if method in ("ddp", "acco-int8") else 60
 
 
+def torchft_worker(args) -> None:
+    """One rank of torchft's DiLoCo (under one region's torchrun, in torchft's interpreter)."""
+    import datetime
+    import os
+
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.nn.parallel import DistributedDataParallel
+    from torchft._torchft import LighthouseServer
+    from torchft.local_sgd import DiLoCo
+    from torchft.manager import Manager
+    from torchft.process_group import ProcessGroupGloo
+
+    sys.path.insert(0, str(ROOT / "examples" / "gpt"))
+    from model import GPT, GPTConfig  # examples/gpt/model.py
+
+    dist.init_process_group("gloo")  # this region's ranks
+    rank, region, every = dist.get_rank(), args.region, int(args.worker[len("torchft-h"):])
+    host = "127.0.0.1" if args.loopback else f"10.77.0.{region + 1}"
+    first = "127.0.0.1" if args.loopback else "10.77.0.1"
+    lighthouse = LighthouseServer(bind=f"[::]:{LIGHTHOUSE_PORT}", min_replicas=2) if region == rank == 0 else None
+    minutes = datetime.timedelta(minutes=10)
+    manager = Manager(pg=ProcessGroupGloo(timeout=minutes), load_state_dict=None, state_dict=None, min_replica_size=2,
+                      use_async_quorum=False, init_sync=False, replica_id=f"region{region}", rank=rank,
+                      world_size=dist.get_world_size(), store_addr=os.environ["MASTER_ADDR"],
+                      store_port=int(os.environ["MASTER_PORT"]), lighthouse_addr=f"http://{first}:{LIGHTHOUSE_PORT}",
+                      hostname=host, timeout=minutes, quorum_timeout=minutes, connect_timeout=minutes)
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(seq_len=args.seq_len, d_model=args.dim, n_layers=args.layers, n_heads=4,
+                          local_window=args.seq_len))
+    ddp = DistributedDataParallel(model)
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    outer = torch.optim.SGD(model.parameters(), lr=0.7, momentum=0.9, nesterov=True)
+    m = args.microbatches
+    g = torch.Generator().manual_seed(100 * region + rank)
+    data = [torch.randint(256, (args.batch, args.seq_len + 1), generator=g) for _ in range(m)]
+
+    def update() -> None:
+        for j, x in enumerate(data):
+            quiet = ddp.no_sync() if j < m - 1 else contextlib.nullcontext()
+            with quiet:
+                (F.cross_entropy(ddp(x[:, :-1]).flatten(0, 1), x[:, 1:].flatten()) / m).backward()
+        inner.step()
+        inner.zero_grad()
+
+    with DiLoCo(manager, [model], inner, outer, sync_every=every, backup_device=torch.device("cpu"),
+                pin_memory=False):
+        for _ in range(every):  # one sync at the end: the regions start the timed window together
+            update()
+        n = 2 * every
+        t0 = time.perf_counter()
+        for _ in range(n):
+            update()
+        elapsed = time.perf_counter() - t0
+    if rank == 0 and region == 0:
+        tokens = n * m * args.batch * args.seq_len * 2 * dist.get_world_size()
+        Path(args.out).write_text(json.dumps({
+            "method": args.worker, "tokens_per_s": tokens / elapsed, "s_per_update": elapsed / n, "updates": n,
+            "params": sum(p.numel() for p in model.parameters())}))
+    manager.shutdown(wait=False)
+    if lighthouse is not None:
+        lighthouse.shutdown()
+    dist.destroy_process_group()
+
+
+def torchft_commands(script, loopback: bool, python: str):
+    """One torchrun per region (a replica group of its own), each in its namespace (or on loopback)."""
+    out = []
+    for k in range(2):
+        run = [python, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2", "--node-rank", "0",
+               "--master-port", str(29400 + k)]
+        if loopback:
+            out.append(run + ["--master-addr", "127.0.0.1", *script, "--region", str(k)])
+        else:
+            out.append(_launch.netns.exec_prefix(k) + ["env", f"GLOO_SOCKET_IFNAME={_launch.netns.IFACE}"] + run
+                       + ["--master-addr", _launch.netns.rank_addr(k), *script, "--region", str(k)])
+    return out
+
+
 def worker(args) -> None:
     """One rank of one method (under torchrun)."""
+    if args.worker.startswith("torchft"):
+        torchft_worker(args)
+        return
     import torch
     import torch.distributed as dist
     import torch.nn.functional as F
@@ -128,7 +219,12 @@ def one_run(method: str, args) -> dict:
                  "--seq-len", str(args.seq_len), "--microbatches", str(args.microbatches), "--updates",
                  str(args.updates), "--delay", str(args.delay), "--out", str(out)]
         script = [str(Path(__file__).resolve()), *wargs]
-        logs, failed = _launch.run_processes(_launch.two_hosts(script, args.loopback), timeout=1800)
+        if method.startswith("torchft"):
+            cmds = torchft_commands(script + (["--loopback"] if args.loopback else []), args.loopback,
+                                    args.torchft_python)
+        else:
+            cmds = _launch.two_hosts(script, args.loopback)
+        logs, failed = _launch.run_processes(cmds, timeout=1800)
         if failed or not out.exists():
             raise RuntimeError(f"{method} failed:\n" + "\n".join(t[-3000:] for t in logs))
         return json.loads(out.read_text())
@@ -136,8 +232,11 @@ def one_run(method: str, args) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--worker", choices=METHODS, help=argparse.SUPPRESS)
-    p.add_argument("--methods", nargs="+", choices=METHODS, default=METHODS)
+    p.add_argument("--worker", choices=METHODS + TORCHFT, help=argparse.SUPPRESS)
+    p.add_argument("--region", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--methods", nargs="+", choices=METHODS + TORCHFT, default=METHODS)
+    p.add_argument("--torchft-python", default=None,
+                   help="an interpreter with torchft installed (docs/studies/torchft-diloco.md): for torchft-hH")
     p.add_argument("--dim", type=int, default=128)
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--batch", type=int, default=8)
@@ -155,6 +254,8 @@ def main() -> None:
     if args.worker:
         worker(args)
         return
+    if any(m in TORCHFT for m in args.methods) and not args.torchft_python:
+        p.error("the torchft-hH methods need --torchft-python (an interpreter with torchft installed)")
     if args.smoke:
         args.dim, args.layers, args.batch, args.seq_len, args.updates, args.repeats = 32, 1, 1, 16, 2, 1
         args.loopback, args.methods = True, ["compute-only", "region-only", "ddp", "acco-int8", "regions-h10"]

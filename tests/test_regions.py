@@ -45,6 +45,12 @@ CONFIGS = [
     # with the region's own rounds compressed too
     ("adamw/acco/every2-int8-inside-int8", "adamw", "acco", 2, dict(outer_every=2, outer_compression="int8"),
      {"compression": "int8", "compression_block": 16}),
+    ("sgd/acco/every3-delay2-int4-inside-int8", "sgd", "acco", 2,
+     dict(outer_every=3, outer_delay=2, outer_compression="int4"), {"compression": "int8", "compression_block": 16}),
+    # a synchronous warm-up and clipping; mode dpu's error feedback
+    ("adamw/acco/every2-sync2-clip", "adamw", "acco", 2, dict(outer_every=2),
+     {"synchronous_updates": 2, "max_grad_norm": 0.05}),
+    ("sgd/dpu/every3-delay1-correction", "sgd", "dpu", 2, dict(outer_every=3, outer_delay=1), {"delay_correction": 1.0}),
 ]
 
 
@@ -79,7 +85,10 @@ def _worker(rank: int, world: int) -> dict:
 
         oracle_options = dict(estimate_extrapolation=opt.estimate_extrapolation,
                               compression=options.get("compression"),
-                              compression_block=options.get("compression_block", 256))
+                              compression_block=options.get("compression_block", 256),
+                              synchronous_updates=options.get("synchronous_updates", 0),
+                              max_grad_norm=options.get("max_grad_norm"),
+                              delay_correction=options.get("delay_correction", 0.0))
         ref = regions_run(theta0, lambda ps: cls(ps, **kw), mode, [region_fn(r) for r in range(REGIONS)], PER_REGION,
                           UPDATES, m, outer["outer_every"], outer.get("outer_delay", 0), outer.get("outer_lr", 0.7),
                           outer.get("outer_momentum", 0.9), outer.get("outer_compression"), **oracle_options)
@@ -284,3 +293,81 @@ def test_a_region_resumes_bit_identically(stop, form, tmp_path):
         assert torch.equal(res["resumed"], res["straight"]), (rank, (res["resumed"] - res["straight"]).abs().max())
         if not folder:
             assert res["keys"] == ["anchor", "base", "counters", "momentum", "received", "residual"], res["keys"]
+
+
+def _edges(rank: int, world: int, folder: str) -> dict:
+    """take_model_weights() across regions, fp64 parameters, a per-rank state saved without outer_every loaded
+    into a run with it, and a DCP checkpoint of 2 regions x 2 ranks (read back on 2 x 1 by the test)."""
+    region_group, outer_group = _groups(rank)
+    out = {}
+    places = dict(process_group=region_group, outer_group=outer_group, outer_every=2)
+    # take_model_weights: each region's own weights, then the first region's everywhere, the anchor with them
+    model = make_model()
+    opt = AccoOptimizer(model.parameters(), mode="sync", **places)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0 + rank // PER_REGION)
+    opt.take_model_weights()
+    outer = opt.runtime.driver.ctx.outer
+    out["taken"] = flat(model)
+    out["anchor_is_master"] = torch.equal(outer.anchor, opt.runtime.flat.shard.master)
+    opt.finish()
+    # fp64 parameters: the pseudo-gradient travels in fp32, the anchor steps in fp64
+    model64 = make_model().double()
+    opt = AccoOptimizer(model64.parameters(), mode="sync", microbatches_per_update=1, **places)
+    for t in range(4):
+        (model64(torch.ones(2, 5, dtype=torch.float64)) ** 2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    opt.finish()
+    out["fp64_finite"] = bool(torch.isfinite(flat(model64)).all())
+    # a per-rank state saved without outer_every, loaded into a run with it: the outer rounds start from it
+    model = make_model()
+    plain = AccoOptimizer(model.parameters(), mode="sync", microbatches_per_update=1, process_group=region_group)
+    for t in range(2):  # the same data in both regions: the same weights, as regions starting from one state
+        (loss_fn(model, rank % PER_REGION, t)).backward()
+        plain.step()
+        plain.zero_grad()
+    saved = plain.state_dict()
+    plain.finish()
+    opt = AccoOptimizer(model.parameters(), mode="sync", microbatches_per_update=1, **places)
+    opt.load_state_dict(saved)
+    outer = opt.runtime.driver.ctx.outer
+    out["started_from_load"] = (torch.equal(outer.anchor, opt.runtime.flat.shard.master) and outer.commits == 2
+                                and bool((opt.runtime.flat.shard.master != 0).any()))
+    for t in range(2, 4):
+        (loss_fn(model, rank, t)).backward()
+        opt.step()
+        opt.zero_grad()
+    acco.checkpoint.save(folder, opt, model=model)
+    opt.finish()
+    return out
+
+
+def _reshard(rank: int, world: int, folder: str) -> str:
+    """2 regions of 1 rank load the checkpoint 2 regions of 2 ranks wrote."""
+    alone = [dist.new_group([r]) for r in range(world)]
+    model = make_model()
+    opt = AccoOptimizer(model.parameters(), mode="sync", microbatches_per_update=1, process_group=alone[rank],
+                        outer_group=dist.group.WORLD, outer_every=2)
+    try:
+        acco.checkpoint.load(folder, opt, model=model)
+    except Exception as exc:  # noqa: BLE001 - the refusal is what is checked
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        opt.finish()
+    return "loaded"
+
+
+def test_take_model_weights_fp64_a_plain_state_and_resharding(tmp_path):
+    """take_model_weights() gives every region the first region's weights and the anchor with them; fp64
+    parameters train; a per-rank state saved without outer_every starts the outer rounds from its weights; a DCP
+    checkpoint of 2 ranks per region is refused on 1 rank per region, naming why."""
+    folder = str(tmp_path / "ckpt")
+    results = run_ranks(_edges, REGIONS * PER_REGION, folder)
+    for rank, res in enumerate(results):
+        assert torch.equal(res["taken"], results[0]["taken"]) and res["anchor_is_master"], rank
+        assert res["fp64_finite"] and res["started_from_load"], (rank, res)
+    for message in run_ranks(_reshard, 2, folder):
+        assert message.startswith("CheckpointError") and "written by 2 ranks per region, this run has 1" in message, \
+            message

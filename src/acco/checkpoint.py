@@ -200,6 +200,13 @@ def _no_optimizer_here(where: str, meta: Dict[str, Any], shard: Optional[str]) -
     """No optimizer description for this rank in the checkpoint: say whether it was written without a mesh,
     with other model shards, or not by acco."""
     plain = any(k.startswith("optim.meta.") for k in meta)
+    regions = sorted({k.split(".")[1] for k in meta if k.startswith("optim.region") and k.split(".")[2:3] == ["meta"]})
+    if regions or (plain and shard and shard.startswith("region")):
+        here = f"this rank is in {shard}" if shard else "this run has no outer_every"
+        saved = f"with outer_every, by regions {regions}" if regions else "without outer_every"
+        return CheckpointError(
+            f"{where}: written {saved}; {here}. Resume with the same regions and outer_every (a per-rank "
+            "opt.state_dict() saved without outer_every loads into a run with it). Nothing was loaded.")
     shards = sorted({k.split(".")[1] for k in meta if k.startswith("optim.shard") and k.split(".")[2:3] == ["meta"]})
     if shard and plain:
         return CheckpointError(

@@ -280,6 +280,8 @@ class RoundDriver:
         """Stop the scheduler: after a failure the worker may be stuck in a collective with a dead peer, so it
         is not waited for; otherwise (CUDA) the host waits for the last round's end before its group goes."""
         self.scheduler.close(wait=ok, join_timeout=10.0 if ok else 0.0)
+        if not ok and self.ctx.outer is not None:  # a failed run: the outer round in flight is not waited for
+            self.ctx.outer.release(abort=True)
         self.release_group()
 
     def close_at_exit(self) -> bool:
@@ -293,6 +295,9 @@ class RoundDriver:
         failed = self.failed is not None
         ended = self.scheduler.settle(timeout=1.0 if failed else 60.0)
         self.scheduler.close(wait=False, join_timeout=5.0 if ended else 0.0)  # the worker drops the round's tensors
+        outer = self.ctx.outer  # outer_every: its round in flight, if a peer region issued it too, else aborted
+        if outer is not None:
+            outer.release(abort=not (ended and outer.settle(timeout=1.0 if failed else 60.0)))
         self.release_group(abort=not ended)
         return ended
 

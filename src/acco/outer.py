@@ -19,6 +19,7 @@ without waiting (``async_op``): it runs behind the region's next ``τ`` updates 
 
 from __future__ import annotations
 
+import datetime
 from typing import Any, Dict, List, Optional, Tuple
 
 import torch
@@ -29,7 +30,8 @@ from .collectives import connect, group_rank, group_size, new_round_group, relea
 from .quantize import dequantize_add_, packed_size, quantize, residual_of
 from .wrapped import local_step
 
-__all__ = ["OuterRound", "connect_regions", "made", "mean_of_sent", "merged", "pseudo_gradient_sent", "refuse_checkpoint"]
+__all__ = ["OuterRound", "connect_regions", "made", "mean_of_sent", "merged", "pseudo_gradient_sent",
+           "refuse_checkpoint", "retaken"]
 
 
 def refuse_checkpoint(outer: Optional["OuterRound"], call: str) -> None:
@@ -58,6 +60,9 @@ def connect_regions(policy: Any, outer_group: Any, fields: List[Tuple[str, Any]]
     if shards.any:
         raise NotImplementedError("outer_every with DTensor parameters (FSDP2, tensor parallelism) is not supported "
                                   "yet: run the regions without a mesh inside, or drop outer_every")
+    if type(outer_group).__name__ == "DeviceMesh" and outer_group.ndim != 1:
+        raise ValueError(f"outer_group is a {outer_group.ndim}-D DeviceMesh {outer_group.mesh_dim_names}: pass its "
+                         "regions' dimension, e.g. mesh['region'] of a ('region', 'dp') mesh")
     group = resolve_process_group(outer_group)
     assert group is not None
     # Every region must lay the model out alike: the same model and options, and rank i of a region must meet
@@ -104,6 +109,17 @@ def merged(theta: torch.Tensor, anchor: torch.Tensor, base: torch.Tensor, delay:
         theta.copy_(anchor)
     else:
         theta.add_(anchor.to(theta.dtype) - base)
+
+
+def retaken(outer: Optional["OuterRound"], params: List[torch.Tensor], flat: Any) -> None:
+    """``take_model_weights()``: the master from the model's weights, which every region takes from the first
+    region's (as at construction), and with ``outer_every`` the outer rounds start afresh from them (the anchor,
+    the momentum and the residual). Collective on ``outer_group``."""
+    if outer is not None:
+        agreement.broadcast_parameters(params, outer.group)
+    flat.master_from_model(swapped=False)
+    if outer is not None:
+        outer.start_from(flat.shard.master, 0)
 
 
 def made(policy: Any, master: torch.Tensor, group: Optional[dist.ProcessGroup], block: int) -> Optional["OuterRound"]:
@@ -168,7 +184,8 @@ class OuterRound:
         if self.work is not None:
             self.work.wait()  # CUDA: orders the round's stream after the all-gather (NCCL); CPU: blocks this thread
         self.work = self.merge_at = None
-        self.anchor.grad = mean_of_sent(self.recv, self.regions, self.anchor.numel(), self.kind, self.block)
+        mean = mean_of_sent(self.recv, self.regions, self.anchor.numel(), self.kind, self.block)  # fp32, as sent
+        self.anchor.grad = mean.to(self.anchor.dtype)
         local_step(self.optimizer)  # the optimizer's own hooks only, not torch's global ones
         self.anchor.grad = None
         merged(master, self.anchor, self.base, self.delay)
@@ -196,7 +213,8 @@ class OuterRound:
         if self.residual is not None:
             out["residual"] = (tuple(self.residual.shape), self.residual.dtype)
         if in_flight:
-            out.update(base=like, received=(tuple(self.recv.shape), self.recv.dtype))
+            out.update(base=(tuple(self.base.shape), self.base.dtype),
+                       received=(tuple(self.recv.shape), self.recv.dtype))
         return out
 
     def load(self, saved: Dict[str, torch.Tensor]) -> None:
@@ -225,12 +243,22 @@ class OuterRound:
                     t.zero_()
         self.commits = updates
 
-    def settle(self) -> None:
-        """Wait for an outer round still in flight (at ``finish()``): it is not merged (the model keeps its
-        region's last commit), but its all-gather must end before the group is released."""
+    def settle(self, timeout: Optional[float] = None) -> bool:
+        """Wait for an outer round still in flight (at ``finish()``; ``timeout`` seconds at most, at an exit without
+        it): it is not merged (the model keeps its region's last commit), but its all-gather must end before the
+        group is released. Returns whether it ended (a peer region gone: not within ``timeout``)."""
         if self.work is not None:
-            self.work.wait()
+            try:
+                if timeout is None:
+                    self.work.wait()
+                else:
+                    self.work.wait(datetime.timedelta(seconds=timeout))
+            except RuntimeError:  # gloo: the peer never issued it, or is gone
+                if timeout is None:
+                    raise
+                return False
         self.work = self.merge_at = None
+        return True
 
     def checkpoint_group(self, region_size: int) -> Optional[dist.ProcessGroup]:
         """The group a DCP checkpoint of every region is written and read by: the default group, which the regions
@@ -247,6 +275,8 @@ class OuterRound:
         ``abort`` (a failed run: a peer may be gone, its pending work is cancelled). Local: no collective."""
         if not abort:
             self.settle()
+            if self.recv.is_cuda:  # wait() only ordered the stream: the all-gather ends before its group goes
+                torch.cuda.synchronize(self.recv.device)
         group, self.group, self.work = self.group, None, None
         if group is not None:
             release_round_group(group, abort)

@@ -193,13 +193,13 @@ class Runtime:
 
     def take_model_weights(self) -> None:
         """The model's weights as they are now become the master weights (``AccoOptimizer.take_model_weights``).
-        Collective on the user's group: the first rank's, as at construction."""
+        Collective on the user's group (and ``outer_group``): the first rank's, as at construction."""
         if self.progress.num_rounds:
             raise RuntimeError(
                 f"AccoOptimizer.take_model_weights() after {self.progress.num_rounds} round(s): only before the "
                 "first step() (the weights of a running optimizer come from its rounds; load a checkpoint instead)")
         agreement.broadcast_parameters(self.shards.locals, self.groups.user)
-        self.flat.master_from_model(swapped=False)
+        outer.retaken(self.driver.ctx.outer, self.shards.locals, self.flat)  # the master (outer_every: regions too)
         self.flat.mark_weights()
 
     def fill_defaults(self, defaults: Dict[str, Any]) -> None:

@@ -6,8 +6,9 @@ launch and the bytes every region sent (the all-gather is waited for at the save
 the saved state). It goes in ``opt.state_dict()`` under ``outer`` (this rank's file, covered by its checksums)
 and in the DCP form (``acco.checkpoint``) under ``outer/r{rank}`` of its region's entries, and the same rank
 loads it back: a resumed run goes on bit-identically, the in-flight round merged at the commit it was due. A DCP
-checkpoint loaded on another number of ranks per region starts the outer rounds afresh from the loaded weights. A state saved without one (a run without ``outer_every``) loads into a run with one as a fresh start
-of the outer rounds: the anchor is the loaded weights, the momentum and the residual zero. A run without
+checkpoint loaded on another number of ranks per region is refused (each rank's slice would be another's). A per-rank state saved without one (a run without ``outer_every``) loads into a run with one as a fresh
+start of the outer rounds: the anchor is the loaded weights, the momentum and the residual zero (every region
+must load the same weights). A run without
 ``outer_every`` ignores a saved outer state. Refused before anything changes: an outer state of another size
 than this run's, or holding inf/NaN. Local: no collective (waiting for a round in flight every region issued).
 """
@@ -53,10 +54,11 @@ def target(owners: Any, meta: Dict[str, Any], pre: str) -> Dict[str, Any]:
     saved = {k[len(head):].split(".", 1)[0] for k in meta if k.startswith(head)}
     if outer is None or not saved:
         return {}
-    if len(saved) != owners.world_size or str(owners.rank) not in saved:
-        log.info("acco: the checkpoint's outer state was written by %d ranks per region, this run has %d: the outer "
-                 "rounds start afresh from the loaded weights", len(saved), owners.world_size)
-        return {}
+    if len(saved) != owners.world_size or str(owners.rank) not in saved:  # every rank sees the same metadata
+        raise CheckpointError(
+            f"acco.checkpoint.load(): the checkpoint's outer state (outer_every) was written by {len(saved)} ranks "
+            f"per region, this run has {owners.world_size}: each rank's slice of it would be another's. Resume "
+            "with as many ranks per region (the number of regions is the checkpoint's too). Nothing was loaded")
     mine = f"{head}{owners.rank}."
     out = {k[len(mine):]: torch.empty(tuple(meta[k].size), dtype=meta[k].properties.dtype) for k in meta
            if k.startswith(mine)}
@@ -74,7 +76,12 @@ def check(owners: Any, sd: Dict[str, Any]) -> None:
     if not torch.is_tensor(counters) or counters.numel() != 2:
         raise CheckpointError(f"{where}: the saved outer state has no counters (commits, the merge due): it is "
                               "damaged. Nothing was loaded; use another checkpoint")
-    expected = outer.layout_of_state(in_flight=int(counters[1]) >= 0)
+    in_flight = int(counters[1]) >= 0
+    if in_flight and not outer.delay:
+        raise CheckpointError(f"{where}: the state was saved with an outer round in flight (outer_delay > 0), this "
+                              "run has outer_delay=0 and cannot merge it. Nothing was loaded; build the optimizer "
+                              "with the saving run's outer_delay")
+    expected = outer.layout_of_state(in_flight=in_flight)
     if set(saved) != set(expected) | {"counters"}:
         raise CheckpointError(f"{where}: the saved outer state holds {sorted(saved)}, this run's would hold "
                               f"{sorted(expected) + ['counters']}: it was saved with other outer options "
