@@ -148,7 +148,7 @@ def quantized(x: torch.Tensor, kind: str, block: int, n_ranks: int) -> torch.Ten
     below 2^-126, and back as ``q * s`` in fp32."""
     top = {"int8": 127.0, "int4": 7.0, "fp8": 448.0}[kind]
     size = -(-x.numel() // n_ranks)
-    padded = torch.zeros(size * n_ranks, dtype=torch.float32)
+    padded = torch.zeros(size * n_ranks, dtype=torch.float32, device=x.device)
     padded[: x.numel()] = x
     out = torch.empty_like(padded)
     for c in range(n_ranks):
@@ -156,7 +156,7 @@ def quantized(x: torch.Tensor, kind: str, block: int, n_ranks: int) -> torch.Ten
             b = min(a + block, (c + 1) * size)
             v = padded[a:b]
             peak = float(v.abs().max())
-            s = torch.tensor(peak, dtype=torch.float32) / top if peak > 0 else torch.tensor(1.0)
+            s = (torch.tensor(peak, dtype=torch.float32) / top if peak > 0 else torch.tensor(1.0)).to(x.device)
             s = torch.clamp(s, min=torch.finfo(torch.float32).tiny)  # never an underflowed 0 (denormal blocks)
             if kind in ("int8", "int4"):
                 q = torch.clamp(torch.round(v / s), -top, top)
@@ -249,7 +249,7 @@ def _updates(
     seen = [False] * len(theta)  # whether tensor i got a gradient in the update so far, on any rank
 
     own: List[Tensors] = []  # compression: each rank's sum of the update so far
-    residual = [torch.zeros(sum(t.numel() for t in theta)) for _ in range(n_ranks)]
+    residual = [torch.zeros(sum(t.numel() for t in theta), device=theta[0].device) for _ in range(n_ranks)]
 
     def accumulate(accum: Tensors, count: int) -> None:
         for r in range(n_ranks):
