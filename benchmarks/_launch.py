@@ -128,3 +128,14 @@ def two_hosts(script: Sequence[str], loopback: bool) -> List[List[str]]:
     return [netns.exec_prefix(k) + ["env", f"GLOO_SOCKET_IFNAME={netns.IFACE}"] + run
             + ["--nnodes", "2", "--nproc-per-node", "2", "--node-rank", str(k), "--master-addr", netns.rank_addr(0),
                "--master-port", port, *script] for k in range(2)]
+
+
+def testbed_options(p, calibrate: str, smoke: str) -> None:
+    """The arguments every testbed benchmark takes: repeats, the rate it records, loopback, its calibration and
+    smoke runs (``calibrate``, ``smoke``: what each does), and the records' file."""
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--rate-mbit", type=float, default=None, help="the testbed's rate, recorded with each run")
+    p.add_argument("--loopback", action="store_true", help="no namespaces: 4 ranks on loopback")
+    p.add_argument("--calibrate", action="store_true", help=calibrate)
+    p.add_argument("--smoke", action="store_true", help=smoke)
+    p.add_argument("--out", default=None, help="JSON lines, one per run (appended)")

@@ -113,12 +113,7 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--updates", type=int, default=6)
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--rate-mbit", type=float, default=None, help="the testbed's rate, recorded with each run")
-    p.add_argument("--loopback", action="store_true", help="no namespaces: 4 ranks on loopback")
-    p.add_argument("--calibrate", action="store_true", help="loopback, fsdp2-acco once: compute time and bytes")
-    p.add_argument("--smoke", action="store_true", help="tiny model, one repeat, loopback")
-    p.add_argument("--out", default=None, help="JSON lines, one per run (appended)")
+    _launch.testbed_options(p, "loopback, fsdp2-acco once: compute time and bytes", "tiny model, one repeat, loopback")
     args = p.parse_args()
     if args.worker:
         worker(args)

@@ -244,12 +244,8 @@ def main() -> None:
     p.add_argument("--microbatches", type=int, default=2)
     p.add_argument("--updates", type=int, default=6, help="timed updates of the per-update methods")
     p.add_argument("--delay", type=int, default=8, help="outer_delay of regions-hH (at most H - 1)")
-    p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--rate-mbit", type=float, default=None, help="the testbed's rate, recorded with each run")
-    p.add_argument("--loopback", action="store_true", help="no namespaces: 4 ranks on loopback")
-    p.add_argument("--calibrate", action="store_true", help="loopback, compute-only once: the rate for x = 50")
-    p.add_argument("--smoke", action="store_true", help="tiny model, one repeat, loopback, H = 10 only")
-    p.add_argument("--out", default=None, help="JSON lines, one per run (appended)")
+    _launch.testbed_options(p, "loopback, compute-only once: the rate for x = 50",
+                            "tiny model, one repeat, loopback, H = 10 only")
     args = p.parse_args()
     if args.worker:
         worker(args)

@@ -239,6 +239,22 @@ def _shared_gpu_grad(rank, index, weights):
     return [p.grad.detach().clone() for p in net.parameters()]
 
 
+def _train_on_the_gpu(model, opt, rank, updates):
+    """``updates`` updates of 2 micro-batches of ``rank``'s data on the stream path, then ``finish()``: the model
+    after each ``step()``, on the host."""
+    assert opt.scheduler.uses_streams
+    traj = []
+    for t in range(updates):
+        for j in range(2):
+            x, y = (v.cuda() for v in batch(rank, 2 * t + j))
+            ((model(x) - y) ** 2).mean().div(2).backward()
+        opt.step()
+        opt.zero_grad()
+        traj.append(flat(model).cpu())
+    opt.finish()
+    return traj
+
+
 def _shared_gpu_worker(rank, world, mode, estimate_dtype, extrapolation=1.0, compressed=None):
     from oracle import update_run
 
@@ -250,16 +266,7 @@ def _shared_gpu_worker(rank, world, mode, estimate_dtype, extrapolation=1.0, com
     opt = AccoOptimizer(model.parameters(), mode=mode, microbatches_per_update=2, estimate_dtype=estimate_dtype,
                         max_grad_norm=5.0, estimate_extrapolation=extrapolation, compression_block=16, **compressed,
                         **KW)
-    assert opt.scheduler.uses_streams
-    traj = []
-    for t in range(5):
-        for j in range(2):
-            x, y = (v.cuda() for v in batch(rank, 2 * t + j))
-            ((model(x) - y) ** 2).mean().div(2).backward()
-        opt.step()
-        opt.zero_grad()
-        traj.append(flat(model).cpu())
-    opt.finish()
+    traj = _train_on_the_gpu(model, opt, rank, 5)
     ref, _, ref_final = update_run(theta0, lambda ps: torch.optim.AdamW(ps, **KW), mode, _shared_gpu_grad, world, 5,
                                    2, estimate_dtype=estimate_dtype, max_grad_norm=5.0,
                                    estimate_extrapolation=extrapolation, compression_block=16, **compressed)
@@ -339,16 +346,7 @@ def _regions_gpu_worker(rank, world, mode, outer):
     opt = AccoOptimizer(model.parameters(), mode=mode, microbatches_per_update=2, estimate_dtype=None,
                         compression_block=16, process_group=regions[rank // 2], outer_group=across[rank % 2], **outer,
                         **KW)
-    assert opt.scheduler.uses_streams
-    traj = []
-    for t in range(6):
-        for j in range(2):
-            x, y = (v.cuda() for v in batch(rank, 2 * t + j))
-            ((model(x) - y) ** 2).mean().div(2).backward()
-        opt.step()
-        opt.zero_grad()
-        traj.append(flat(model).cpu())
-    opt.finish()
+    traj = _train_on_the_gpu(model, opt, rank, 6)
 
     def region_grad(r):
         return lambda i, j, w: _shared_gpu_grad(2 * r + i, j, w)
