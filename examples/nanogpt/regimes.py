@@ -50,6 +50,12 @@ METHODS: Dict[str, Tuple[str, List[str]]] = {
     # (DiLoCo's SGD 0.7, Nesterov 0.9) every 30 updates across the ranks, merged at once
     "regions-h30": ("train_acco.py", ["--regions-of-one", "--acco-option=estimate_dtype=bfloat16",
                                       "--acco-option=estimate_extrapolation=1.2", "--acco-option=outer_every=30"]),
+    # ... every 10 updates; every 30 with the outer step a plain average (outer_lr 1, no momentum)
+    "regions-h10": ("train_acco.py", ["--regions-of-one", "--acco-option=estimate_dtype=bfloat16",
+                                      "--acco-option=estimate_extrapolation=1.2", "--acco-option=outer_every=10"]),
+    "regions-h30-avg": ("train_acco.py", ["--regions-of-one", "--acco-option=estimate_dtype=bfloat16",
+                                          "--acco-option=estimate_extrapolation=1.2", "--acco-option=outer_every=30",
+                                          "--acco-option=outer_lr=1.0", "--acco-option=outer_momentum=0.0"]),
 }
 # method -> its label in the speed benchmark (benchmarks/overlap.py), for the composed time to DDP's loss
 SPEED_LABELS = {"ddp": "ddp", "acco": "acco:estimate-bf16", "acco-paper": "acco", "acco-int8": "acco-int8",
