@@ -198,10 +198,11 @@ def worker(args) -> None:
     for _ in range(n):
         update()
     if hasattr(opt, "finish"):
-        memory = opt.memory_report()  # before finish(): the outer state per rank, and the master slice beside it
         opt.finish()  # the last rounds' weights are in place (and the last outer round ended): their time counts
     dist.barrier()
     elapsed = time.perf_counter() - t0
+    # after the timed window: the outer state per rank, and the master slice beside it (the buffers outlive finish)
+    memory = opt.memory_report() if hasattr(opt, "finish") else {}
     if dist.get_rank() == 0:
         tokens = n * m * args.batch * args.seq_len * dist.get_world_size()
         Path(args.out).write_text(json.dumps({

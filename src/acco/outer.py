@@ -45,7 +45,7 @@ def refuse_checkpoint(outer: Optional["OuterRound"], call: str) -> None:
 
 
 def connect_regions(policy: Any, outer_group: Any, fields: List[Tuple[str, Any]], region: Tuple[int, int],
-                    numel: int, shards: Any, device: torch.device, timeout: Any) -> Optional[dist.ProcessGroup]:
+                    shards: Any, device: torch.device, timeout: Any) -> Optional[dist.ProcessGroup]:
     """The outer round's own group over ``outer_group`` (None without ``outer_every``), once every region has the
     same model, options and region shape (``region``: the region's size and this rank's index in it) and the
     first region's weights. Collective on ``outer_group``."""
@@ -69,7 +69,8 @@ def connect_regions(policy: Any, outer_group: Any, fields: List[Tuple[str, Any]]
     # rank i of the others (the same slice of the flat buffer)
     shape = ("the region (its process_group's size and this rank's index in it: outer_group must join rank i of "
              "every region)", region)
-    agreement.check_same_model(group, [*fields, shape], numel, len(shards.locals), device)
+    agreement.check_same_model(group, [*fields, shape], sum(t.numel() for t in shards.locals), len(shards.locals),
+                               device)
     agreement.broadcast_parameters(shards.locals, group)  # every region starts from the first region's weights
     rounds = new_round_group(group, timeout)  # the outer rounds' own group, issued from the rounds' thread
     connect(rounds, device)
@@ -134,7 +135,7 @@ class OuterRound:
     in-flight work, and the count of commits. The rounds' thread (CPU) or stream's issuing thread (CUDA) is the
     only caller, between a commit's step and its all-gather."""
 
-    def __init__(self, policy: Any, master: torch.Tensor, group: Optional[dist.ProcessGroup], block: int) -> None:
+    def __init__(self, policy: Any, master: torch.Tensor, group: dist.ProcessGroup, block: int) -> None:
         self.every, self.delay, self.kind, self.block = (policy.outer_every, policy.outer_delay,
                                                           policy.outer_compression, block)
         self.group = group
@@ -156,6 +157,11 @@ class OuterRound:
         self.commits = 0  # commits seen (one per update, skipped or not: the same count in every region)
         self.merge_at: Optional[int] = None
 
+    @property
+    def momentum(self) -> Optional[torch.Tensor]:
+        """The outer optimizer's momentum buffer (made at construction when ``outer_momentum > 0``), else None."""
+        return self.optimizer.state[self.anchor].get("momentum_buffer")
+
     def after_commit(self, master: torch.Tensor) -> None:
         """A commit's step is done and ``master`` (this rank's slice) holds ``θ_t``: merge the round in flight if
         it is due, launch one if ``t`` is a multiple of ``H``."""
@@ -172,11 +178,7 @@ class OuterRound:
         if self.delay:
             self.base.copy_(master)
         pseudo_gradient_sent(self.anchor, master, self.kind, self.block, self.send, self.residual)
-        if self.group is None:
-            self.recv.copy_(self.send)
-            self.work = None
-        else:
-            self.work = dist.all_gather_into_tensor(self.recv, self.send, group=self.group, async_op=True)
+        self.work = dist.all_gather_into_tensor(self.recv, self.send, group=self.group, async_op=True)
         self.merge_at = self.commits + self.delay
 
     def _merge(self, master: torch.Tensor) -> None:
@@ -196,8 +198,7 @@ class OuterRound:
         if self.work is not None:
             self.work.wait()
             self.work = None
-        momentum = self.optimizer.state.get(self.anchor, {}).get("momentum_buffer")
-        out = {"anchor": self.anchor, "momentum": momentum, "residual": self.residual}
+        out = {"anchor": self.anchor, "momentum": self.momentum, "residual": self.residual}
         if self.merge_at is not None:
             out.update(base=self.base, received=self.recv)
         out = {k: v.detach().clone() for k, v in out.items() if v is not None}
@@ -208,7 +209,7 @@ class OuterRound:
         """The shape and dtype of each tensor :meth:`state` saves (``in_flight``: with a round in flight)."""
         like = (tuple(self.anchor.shape), self.anchor.dtype)
         out = {"anchor": like}
-        if "momentum_buffer" in self.optimizer.state.get(self.anchor, {}):
+        if self.momentum is not None:
             out["momentum"] = like
         if self.residual is not None:
             out["residual"] = (tuple(self.residual.shape), self.residual.dtype)
@@ -222,8 +223,8 @@ class OuterRound:
         self.settle()
         with torch.no_grad():
             self.anchor.copy_(saved["anchor"])
-            if "momentum" in saved:
-                self.optimizer.state[self.anchor]["momentum_buffer"].copy_(saved["momentum"])
+            if self.momentum is not None:
+                self.momentum.copy_(saved["momentum"])
             if self.residual is not None:
                 self.residual.copy_(saved["residual"])
             commits, merge_at = (int(v) for v in saved["counters"].tolist())
@@ -237,8 +238,7 @@ class OuterRound:
         self.settle()
         with torch.no_grad():
             self.anchor.copy_(master)
-            momentum = self.optimizer.state.get(self.anchor, {}).get("momentum_buffer")
-            for t in (momentum, self.residual):
+            for t in (self.momentum, self.residual):
                 if t is not None:
                     t.zero_()
         self.commits = updates
@@ -283,6 +283,5 @@ class OuterRound:
 
     def memory(self) -> Dict[str, int]:
         """Bytes of the outer state on this rank: the anchor, the momentum, the residual and the round's bytes."""
-        tensors = [self.anchor, self.base, self.send, self.recv, self.residual,
-                   self.optimizer.state.get(self.anchor, {}).get("momentum_buffer")]
+        tensors = [self.anchor, self.base, self.send, self.recv, self.residual, self.momentum]
         return {"outer": sum(t.numel() * t.element_size() for t in tensors if t is not None)}

@@ -102,8 +102,7 @@ def _make_groups(user: Optional[dist.ProcessGroup], shards: LocalShards, options
     here), the rounds' group, the model group of DTensor parameters and the control group; and which parameters
     this rank counts in the global norm (``mesh.check_replicas``: plain ones must be alike on the model's ranks).
     Collective on ``outer_group`` (with ``outer_every``), then on ``user`` (and the model group)."""
-    across = regions((group_size(user), group_rank(user)), sum(t.numel() for t in shards.locals), shards, device,
-                     options.robustness.timeout)
+    across = regions((group_size(user), group_rank(user)), shards, device, options.robustness.timeout)
     rounds = None
     if user is not None:
         # Rounds talk on a group of their own, so the user's collectives on the main thread can never

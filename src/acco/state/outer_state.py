@@ -1,16 +1,17 @@
-"""The outer round's state (``outer_every``, ``outer.py``) in a per-rank state dict.
+"""The outer round's state (``outer_every``, ``outer.py``) in a state dict.
 
 Each rank's outer state is its own slice: the anchor (the weights after the last outer round), the outer
 momentum, with ``outer_compression`` the residual, and, while an outer round is in flight, the weights at its
 launch and the bytes every region sent (the all-gather is waited for at the save, so nothing is in flight in
 the saved state). It goes in ``opt.state_dict()`` under ``outer`` (this rank's file, covered by its checksums)
 and in the DCP form (``acco.checkpoint``) under ``outer/r{rank}`` of its region's entries, and the same rank
-loads it back: a resumed run goes on bit-identically, the in-flight round merged at the commit it was due. A DCP
-checkpoint loaded on another number of ranks per region is refused (each rank's slice would be another's). A per-rank state saved without one (a run without ``outer_every``) loads into a run with one as a fresh
-start of the outer rounds: the anchor is the loaded weights, the momentum and the residual zero (every region
-must load the same weights). A run without
-``outer_every`` ignores a saved outer state. Refused before anything changes: an outer state of another size
-than this run's, or holding inf/NaN. Local: no collective (waiting for a round in flight every region issued).
+loads it back: a resumed run goes on bit-identically, the in-flight round merged at the commit it was due.
+A per-rank state saved without one (a run without ``outer_every``) loads into a run with one as a fresh start of
+the outer rounds: the anchor is the loaded weights, the momentum and the residual zero (every region must load
+the same weights). A run without ``outer_every`` ignores a saved outer state. Refused before anything changes: a
+DCP checkpoint of another number of ranks per region (each rank's slice would be another's), an outer state of
+other options or another size than this run's, or holding inf/NaN. Local: no collective (waiting for a round in
+flight every region issued).
 """
 
 from __future__ import annotations
@@ -47,8 +48,8 @@ def _mine(owners: Any, sd: Dict[str, Any]) -> Any:
 
 
 def target(owners: Any, meta: Dict[str, Any], pre: str) -> Dict[str, Any]:
-    """What a DCP load reads of the outer state: this rank's, where the checkpoint was saved by as many ranks per
-    region (on another number, the outer rounds start afresh from the loaded weights, and the load says so)."""
+    """What a DCP load reads of the outer state: this rank's; a checkpoint saved by another number of ranks per
+    region is refused (:class:`CheckpointError`, on every rank alike)."""
     outer = owners.driver.ctx.outer
     head = f"{pre}{SECTION}.r"
     saved = {k[len(head):].split(".", 1)[0] for k in meta if k.startswith(head)}
@@ -109,6 +110,6 @@ def restore(owners: Any, sd: Dict[str, Any]) -> None:
     if saved is None:
         log.info("acco: the state holds no outer state (saved without outer_every): the outer rounds start from "
                  "the loaded weights")
-        outer.start_from(owners.flat.master, owners.progress.num_updates)
+        outer.start_from(owners.flat.shard.master, owners.progress.num_updates)
         return
     outer.load(saved)
