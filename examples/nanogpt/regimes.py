@@ -56,6 +56,10 @@ METHODS: Dict[str, Tuple[str, List[str]]] = {
     "regions-h30-avg": ("train_acco.py", ["--regions-of-one", "--acco-option=estimate_dtype=bfloat16",
                                           "--acco-option=estimate_extrapolation=1.2", "--acco-option=outer_every=30",
                                           "--acco-option=outer_lr=1.0", "--acco-option=outer_momentum=0.0"]),
+    # ... every 30 with DiLoCo's outer LR and a lighter momentum (0.5)
+    "regions-h30-m5": ("train_acco.py", ["--regions-of-one", "--acco-option=estimate_dtype=bfloat16",
+                                         "--acco-option=estimate_extrapolation=1.2", "--acco-option=outer_every=30",
+                                         "--acco-option=outer_momentum=0.5"]),
 }
 # method -> its label in the speed benchmark (benchmarks/overlap.py), for the composed time to DDP's loss
 SPEED_LABELS = {"ddp": "ddp", "acco": "acco:estimate-bf16", "acco-paper": "acco", "acco-int8": "acco-int8",
