@@ -154,15 +154,16 @@ def save(path: str, optimizer: "AccoOptimizer", *, model: Optional[torch.nn.Modu
     import torch.distributed.checkpoint as dcp
 
     _same_call(optimizer, "acco.checkpoint.save()")
-    group, shard = _place(optimizer)
+    group, shard, region = _place(optimizer)
     optim = state_io.state_dict(optimizer.runtime.owners, sharded=True)
     sd: Dict[str, Any] = {"optim": {shard: optim} if shard else optim, "extra": dict(extra or {})}
     if model is not None:
-        sd["model"] = _nest_model(model.state_dict(), optimizer, shard)
+        sd["model"] = _nest_model(model.state_dict(), region)
     sums = checksums(sd)  # verified by load()
     # Each rank's pieces (with DTensor parameters: its model shard's entries) are entries of its own; the rest
     # every rank holds alike (kept where they agree).
-    own = {k: v for k, v in sums.items() if k.startswith((f"optim/{shard}/", f"model/{shard}/") if shard else _PIECES)}
+    own = {k: v for k, v in sums.items() if k.startswith((f"optim/{shard}/", f"model/{region or shard}/") if shard
+                                                         else _PIECES)}
     common = replicated_only({k: v for k, v in sums.items() if k not in own}, group if dist.is_initialized() else None,
                              optimizer.device)
     sd["checksums"] = {**own, **common}
@@ -184,16 +185,18 @@ def save(path: str, optimizer: "AccoOptimizer", *, model: Optional[torch.nn.Modu
 
 
 def _place(optimizer: "AccoOptimizer") -> tuple:
-    """The group that writes and reads a checkpoint, and the name its optimizer entries are nested under:
-    the optimizer's group and none; with DTensor parameters, every rank of the mesh (the default group) and
-    this rank's model shard (``"shard1"``), as ranks of different shards hold different tensors under the
-    same piece keys; with ``outer_every``, every rank of every region (the default group) and this rank's region
-    (``"region1"``), as regions hold different weights (the model's entries too)."""
-    outer = optimizer.runtime.driver.ctx.outer
+    """The group that writes and reads a checkpoint, the name its optimizer entries are nested under, and the
+    name its model entries are: the optimizer's group and none; with DTensor parameters, every rank of the mesh
+    (the default group) and this rank's model shard (``"shard1"``), as ranks of different shards hold different
+    tensors under the same piece keys; with ``outer_every``, every rank of every region (the default group) and
+    this rank's region (``"region1"``, the model's too: regions hold different weights), with DTensor parameters
+    inside a region ``"region1-shard0"`` for the optimizer's entries (DCP lays a region's DTensors out itself)."""
+    outer, shards = optimizer.runtime.driver.ctx.outer, optimizer.runtime.shards
     if outer is not None:  # every region writes one folder: its entries under its name (regions differ)
-        return outer.checkpoint_group(optimizer.world_size), f"region{outer.region}"
-    shards = optimizer.runtime.shards
-    return shards.checkpoint_group(optimizer.process_group), shards.shard_name()
+        region, inside = f"region{outer.region}", shards.shard_name()
+        per_region = optimizer.world_size * (len(shards.model_ranks) if inside else 1)
+        return outer.checkpoint_group(per_region), f"{region}-{inside}" if inside else region, region
+    return shards.checkpoint_group(optimizer.process_group), shards.shard_name(), None
 
 
 def _no_optimizer_here(where: str, meta: Dict[str, Any], shard: Optional[str]) -> CheckpointError:
@@ -275,7 +278,7 @@ def load(path: str, optimizer: "AccoOptimizer", *, model: Optional[torch.nn.Modu
     path = resolve(path)
     where = f"acco.checkpoint.load({path!r})"
     no_dist = not dist.is_initialized()
-    group, shard = _place(optimizer)
+    group, shard, region = _place(optimizer)
 
     def nest(optim: Any) -> Any:
         return {shard: optim} if shard else optim
@@ -295,7 +298,7 @@ def load(path: str, optimizer: "AccoOptimizer", *, model: Optional[torch.nn.Modu
     trained = {}  # the model's entries that are this optimizer's parameters: restored from its slices instead
     if model is not None:
         trained, entries = _model_entries(model, optimizer)
-        sd["model"] = _nest_model(entries, optimizer, shard)
+        sd["model"] = _nest_model(entries, region)
     sd["checksums"] = {k.split(".", 1)[1]: torch.zeros((), dtype=torch.int64) for k in meta
                        if k.startswith("checksums.")}
     read(sd)
@@ -309,7 +312,7 @@ def load(path: str, optimizer: "AccoOptimizer", *, model: Optional[torch.nn.Modu
     if model is not None:
         # The trained parameters load from themselves here; load_state_dict below writes them from the
         # checkpoint's pieces (all-gathered into the idle round buffer): no model-sized copy.
-        read_model = sd["model"][shard] if _regions(optimizer) else sd["model"]
+        read_model = sd["model"][region] if region else sd["model"]
         model.load_state_dict({**read_model, **{k: v.detach() for k, v in trained.items()}})
     load_state_dict(owners, optim, checked=True)
     return sd["extra"]
@@ -372,14 +375,10 @@ def _reader(path: str, group: Any, no_dist: bool, where: str) -> Any:
     return read
 
 
-def _regions(optimizer: "AccoOptimizer") -> bool:
-    return optimizer.runtime.driver.ctx.outer is not None
-
-
-def _nest_model(entries: Dict[str, Any], optimizer: "AccoOptimizer", shard: Optional[str]) -> Dict[str, Any]:
+def _nest_model(entries: Dict[str, Any], region: Optional[str]) -> Dict[str, Any]:
     """The model's entries as a checkpoint holds them: under the region's name with ``outer_every`` (regions hold
     different weights), else as they are."""
-    return {shard: entries} if _regions(optimizer) else entries
+    return {region: entries} if region else entries
 
 
 def _model_entries(model: torch.nn.Module, optimizer: "AccoOptimizer") -> tuple:

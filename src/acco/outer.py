@@ -57,21 +57,23 @@ def connect_regions(policy: Any, outer_group: Any, fields: List[Tuple[str, Any]]
     if outer_group is None:
         raise ValueError(f"outer_every={policy.outer_every} without outer_group=: pass the group of this rank's peers "
                          "in the other regions (e.g. mesh.get_group('region') of a ('region', 'dp') DeviceMesh)")
-    if shards.any:
-        raise NotImplementedError("outer_every with DTensor parameters (FSDP2, tensor parallelism) is not supported "
-                                  "yet: run the regions without a mesh inside, or drop outer_every")
     if type(outer_group).__name__ == "DeviceMesh" and outer_group.ndim != 1:
         raise ValueError(f"outer_group is a {outer_group.ndim}-D DeviceMesh {outer_group.mesh_dim_names}: pass its "
                          "regions' dimension, e.g. mesh['region'] of a ('region', 'dp') mesh")
     group = resolve_process_group(outer_group)
     assert group is not None
     # Every region must lay the model out alike: the same model and options, and rank i of a region must meet
-    # rank i of the others (the same slice of the flat buffer)
-    shape = ("the region (its process_group's size and this rank's index in it: outer_group must join rank i of "
-             "every region)", region)
+    # rank i of the others (the same slice of the flat buffer); with DTensor parameters (FSDP2 or tensor
+    # parallelism inside), also the same model shard: the same index among the ranks holding the model's parts
+    holders = shards.model_ranks if shards.any else [dist.get_rank()]
+    shape = ("the region (its process_group's size and this rank's index in it, and with DTensor parameters the "
+             "number of ranks holding the model's shards and this rank's index among them: outer_group must join "
+             "rank i of every region, and every region must shard the model alike)",
+             (*region, len(holders), holders.index(dist.get_rank())))
     agreement.check_same_model(group, [*fields, shape], sum(t.numel() for t in shards.locals), len(shards.locals),
                                device)
-    agreement.broadcast_parameters(shards.locals, group)  # every region starts from the first region's weights
+    # every region starts from the first region's weights (a DTensor's local shard from the same shard's rank)
+    agreement.broadcast_parameters(shards.locals, group)
     rounds = new_round_group(group, timeout)  # the outer rounds' own group, issued from the rounds' thread
     connect(rounds, device)
     return rounds
