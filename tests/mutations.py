@@ -525,6 +525,10 @@ cases = [
   "src/acco/checkpoint.py::_place",
   '        return outer.checkpoint_group(per_region), f"{region}-{inside}" if inside else region, region',
   "        return outer.checkpoint_group(per_region), region, region", "tests/test_regions_mesh.py -k dcp"),
+ ("M179 a loss normalized over every region's batch (divide_by_ranks=False) summed in a region but not scaled by "
+  "the regions (torchtitan's gradient 1/R of the region's mean)", "ranks_divisor",
+  "    return 1.0 / outer.regions if outer is not None else 1", "    return 1",
+  "tests/test_regions.py -k summed"),
  ("M43 the demo's speed-up column a constant", "examples/demo.py::table",
   "{r['vs_sync']:.2f}x | {r['vs_ddp']:.2f}x", "{1.39:.2f}x | {r['vs_ddp']:.2f}x", "tests/test_demo.py"),
  ("M44 the demo's hidden share from the library's own ACCO figure for every method", "examples/demo.py::summarize",

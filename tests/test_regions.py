@@ -51,6 +51,8 @@ CONFIGS = [
     ("adamw/acco/every2-sync2-clip", "adamw", "acco", 2, dict(outer_every=2),
      {"synchronous_updates": 2, "max_grad_norm": 0.05}),
     ("sgd/dpu/every3-delay1-correction", "sgd", "dpu", 2, dict(outer_every=3, outer_delay=1), {"delay_correction": 1.0}),
+    # each rank's loss normalized over every region's ranks' batch, summed (torchtitan's): the region's mean again
+    ("sgd/acco/every2-summed", "sgd", "acco", 2, dict(outer_every=2), {"divide_by_ranks": False}),
 ]
 
 
@@ -71,9 +73,10 @@ def _worker(rank: int, world: int) -> dict:
         opt = AccoOptimizer(model.parameters(), cls, mode=mode, microbatches_per_update=m, process_group=region_group,
                             outer_group=outer_group, estimate_dtype=None, **outer, **options, **kw)
         traj = []
+        share = 1 if options.get("divide_by_ranks", True) else 1 / (REGIONS * PER_REGION)
         for t in range(UPDATES):
             for j in range(m):
-                (loss_fn(model, rank, t * m + j) / m).backward()
+                (loss_fn(model, rank, t * m + j) * share / m).backward()
             opt.step()
             opt.zero_grad()
             traj.append(flat(model))

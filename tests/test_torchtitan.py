@@ -56,21 +56,25 @@ def assets(tmp_path_factory) -> Path:
     return root
 
 
-def _cmd(ranks: int, root: Path, name: str, args: list) -> list:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", str(LAUNCH),
+def _cmd(ranks: int, root: Path, name: str, args: list, only_rank0: bool = False) -> list:
+    """``only_rank0``: only rank 0's output (with regions, each region logs its own gradient's norm)."""
+    shown = ["--local-ranks-filter=0"] if only_rank0 else []
+    return [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}", *shown,
+            str(LAUNCH),
             "--assets", str(root / "assets"), "--", *args, "--dump_folder", str(root / name),
             "activation-checkpoint:none"]
 
 
 def _train(root: Path, name: str, args: list, steps: int = STEPS, seeded: bool = True,
            seed: str = "seed/checkpoint/step-0") -> dict:
-    """A 4-rank run from the seed checkpoint (copied in as its step 0); {step: (loss, grad_norm)} as rank 0 logs."""
+    """A 4-rank run from the seed checkpoint (copied in as its step 0); {step: (loss, grad_norm)} as the ranks log
+    them (with ``--acco.regions``: as rank 0 logs them)."""
     if seeded:
         (root / name / "checkpoint").mkdir(parents=True, exist_ok=True)
         shutil.copytree(root / seed, root / name / "checkpoint" / "step-0", dirs_exist_ok=True)
     out = run_command(_cmd(4, root, name, args + SMALL + ["--training.steps", str(steps), "--checkpoint.enable",
                                                           "--checkpoint.interval", "3", "--checkpoint.keep_latest_k",
-                                                          "0"]), timeout=600)
+                                                          "0"], only_rank0="--acco.regions" in args), timeout=600)
     return _log(out)
 
 
@@ -161,6 +165,28 @@ def test_compressed_rounds_across_replicas_train_alike_and_resume_bit_identicall
     saved = _resumes_bit_identically(assets, "int8", int8, args)
     residuals = [k for k in saved if ".residual." in k]
     assert len(residuals) == 4 and all(saved[k].abs().sum() > 0 for k in residuals), sorted(saved)[:40]
+
+
+def test_regions_train_and_resume_bit_identically(assets, fsdp2_runs):
+    """``--acco.regions 2 --acco.outer_every 3``: 2 regions of one replica x FSDP2 2, an outer step (DiLoCo's)
+    at steps 3 and 6, where the checkpoints are. The loss falls and ends within 3% of HSDP's; the first update's
+    logged gradient norm (region 0's) is its region's mean gradient's, not half of it (the region's sum is scaled
+    by the regions); a run resumed from step 3 is bit-identical, each region's outer state
+    (anchor and momentum, per model shard) in the checkpoint."""
+    args = ACCO + MESHES["fsdp2"] + _global_batch("fsdp2") + ["--acco.regions", "2", "--acco.outer_every", "3"]
+    regions = _train(assets, "regions", args)
+    hsdp, acco = fsdp2_runs["hsdp"], fsdp2_runs["acco"]
+    print(f"regions: {regions}\nhsdp {hsdp}")  # shown with pytest -s
+    assert sorted(regions) == list(range(1, STEPS + 1)), regions
+    assert regions[1][0] == pytest.approx(hsdp[1][0], rel=1e-4)  # the seed's weights
+    # both log mode acco's first estimate round's norm: region 0's on a quarter of the batch, ACCO's on half, a
+    # larger norm (more noise; 1.31x when measured); unscaled, the region's sum would be half of that (0.65x)
+    assert regions[1][1] > 0.9 * acco[1][1], (regions[1], acco[1])
+    assert abs(regions[STEPS][0] - hsdp[STEPS][0]) <= 0.03 * hsdp[STEPS][0], (hsdp, regions)
+    assert regions[STEPS][0] < regions[1][0] - 0.1 and regions[STEPS] != acco[STEPS], (regions, acco)
+    saved = _resumes_bit_identically(assets, "regions", regions, args)
+    anchors = sorted(k for k in saved if ".anchor" in k)
+    assert len(anchors) == 4 and any("region1-shard1" in k for k in anchors), anchors
 
 
 MOE_ACCO = ["--module", "acco.integrations.torchtitan", "--config", "deepseek_v3_debugmodel"]
@@ -276,6 +302,9 @@ def _tensors(tree, prefix: str = "") -> dict:
     (["--parallelism.pipeline_parallel_degree", "2"], "pipeline parallelism"),
     (["--parallelism.spmd_backend", "full_dtensor"], "use --parallelism.spmd_backend partial_dtensor"),
     (["--training.global_batch_size", "2"], "mode acco needs 2 or more micro-batches per update, got 1"),
+    (["--acco.regions", "2"], "give both (regions 2 or more, outer_every >= 1)"),
+    (["--acco.regions", "2", "--acco.outer_every", "4", "--checkpoint.enable", "--checkpoint.interval", "3"],
+     "set --acco.outer_delay 0 and --checkpoint.interval and --training.steps to multiples of --acco.outer_every"),
 ])
 def test_refused_at_start_with_the_reason(assets, args, words):
     """What ACCO cannot run under torchtitan stops the job at start, naming it and the fix."""

@@ -49,6 +49,7 @@ __all__ = [
     "CheckpointError",
     "FORMAT_VERSION",
     "IMPLEMENTATION_FLAGS",
+    "entry_name",
     "gather",
     "latest",
     "load",
@@ -199,6 +200,12 @@ def _place(optimizer: "AccoOptimizer") -> tuple:
     return shards.checkpoint_group(optimizer.process_group), shards.shard_name(), None
 
 
+def entry_name(optimizer: "AccoOptimizer") -> Optional[str]:
+    """The name this rank's optimizer entries are nested under in a DCP checkpoint (``"shard1"``,
+    ``"region0"``, ``"region0-shard1"``; None: not nested), for a tool that writes its own (torchtitan's)."""
+    return _place(optimizer)[1]
+
+
 def _no_optimizer_here(where: str, meta: Dict[str, Any], shard: Optional[str]) -> CheckpointError:
     """No optimizer description for this rank in the checkpoint: say whether it was written without a mesh,
     with other model shards, or not by acco."""
@@ -324,7 +331,7 @@ def read_target(path: str, optimizer: "AccoOptimizer", nest: tuple) -> Dict[str,
     pieces that overlap this rank's, with the wrapped optimizer's state that a fresh optimizer's state dict does
     not list yet. Reads the entries' description, checked against this optimizer. Collective."""
     where = f"acco.checkpoint.read_target({path!r})"
-    group = optimizer.runtime.shards.checkpoint_group(optimizer.process_group)
+    group = _place(optimizer)[0]
     return _described_target(path, optimizer, nest, _reader(path, group, not dist.is_initialized(), where), where,
                              lambda meta: CheckpointError(f"{where}: no AccoOptimizer description under "
                                                           f"{'.'.join(nest)}.meta in it. Nothing was loaded."))[0]

@@ -66,10 +66,15 @@ def check_weights_kept(c: LoopContext) -> None:
                 "optimizer after loading the model")
 
 
-def ranks_divisor(c: LoopContext) -> int:
+def ranks_divisor(c: LoopContext) -> float:
     """What a round divides the ranks' summed gradients by: their number (DDP's mean), or 1
-    (``divide_by_ranks=False``: a loss normalized over every rank's batch, summed across ranks)."""
-    return c.world_size if c.options.handoff.divide_by_ranks else 1
+    (``divide_by_ranks=False``: a loss normalized over every rank's batch, summed across ranks); with
+    ``outer_every`` too, ``1 / regions``: the loss is normalized over every region's ranks' batch (torchtitan's
+    global token count), so the region's sum is its share of the region's mean."""
+    if c.options.handoff.divide_by_ranks:
+        return c.world_size
+    outer = c.driver.ctx.outer
+    return 1.0 / outer.regions if outer is not None else 1
 
 
 def after_handoff(c: LoopContext, kind: RoundKind, synchronous: bool) -> None:

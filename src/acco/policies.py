@@ -82,7 +82,9 @@ class HandoffPolicy:
     divide_by_ranks: bool = option(True, "`True`", (
         "Whether a round divides the ranks' summed gradients by their number, as DDP does. `False`: the ranks' "
         "gradients are added, for a loss already normalized over every rank's batch (torchtitan divides each "
-        "rank's loss by the global token count, and sums across ranks). One `step()` per update only."))
+        "rank's loss by the global token count, and sums across ranks). With `outer_every`, the loss is normalized "
+        "over every region's ranks' batch and the region's sum multiplied by the number of regions. One `step()` "
+        "per update only."))
 
     def checked(self, mode: Mode, per_update: Any) -> "HandoffPolicy":
         elastic, low, high = self.accumulate_while_communicating, self.min_microbatches, self.max_microbatches

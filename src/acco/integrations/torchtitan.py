@@ -30,6 +30,12 @@ What changes against torchtitan's HSDP, and why (``docs/integrations.md``, "torc
 * **Validation** sees the committed weights; the end of ``train()`` calls ``finish()``.
 * **The loss.** A chunked loss (``ChunkedLossWrapper``, the default of torchtitan's configs) becomes its own
   loss function: it runs a backward per chunk inside the forward, which ACCO would count as micro-batches.
+* **Regions** (``--acco.regions R --acco.outer_every H``, ``docs/regions.md``): the replicas in ``R`` consecutive
+  blocks, ACCO's rounds inside each, an outer step across them every ``H`` updates (``--acco.outer_lr``,
+  ``outer_momentum``, ``outer_compression``, ``outer_delay``). The gradient stays the region's mean (the summed
+  gradient times ``R``: torchtitan normalizes over every region's tokens); checkpoints are taken where an undelayed
+  outer round made the regions' weights one (``outer_delay`` 0, the interval and the steps multiples of ``H``),
+  each region's optimizer state under its own name.
 * **Refused at start**, with the reason: pipeline, context and expert parallelism, the full-DTensor and
   spmd_types backends, quantized linears (float8 all-gather), CPU offload, CUDA graphs, asynchronous
   checkpoints, optimizers other than Adam/AdamW, and ``fused_opt_states_bf16``.
@@ -48,7 +54,7 @@ from typing import Any, Callable, Dict, List, Optional
 
 import torch
 
-from ..checkpoint import read_target
+from ..checkpoint import entry_name, read_target
 from ..modes import Mode
 from ..optimizer import AccoOptimizer
 from ..state import io as state_io
@@ -88,6 +94,16 @@ class AccoSettings:
     compression_block: int = 256
     synchronous_updates: int = 0
     nonfinite: str = "skip"
+    regions: int = 1
+    """The replicas in this many regions (consecutive blocks of ``dp_replicate``: the first node ranks are the first
+    region): ACCO's rounds inside a region, an outer step across them every ``outer_every`` updates
+    (docs/regions.md). Needs ``outer_every``."""
+    outer_every: int = 0
+    """Updates between outer rounds across regions (0: none)."""
+    outer_lr: float = 0.7
+    outer_momentum: float = 0.9
+    outer_compression: str = "none"
+    outer_delay: int = 0
 
     def options(self) -> Dict[str, Any]:
         """The ``AccoOptimizer`` keywords these settings stand for (words turned into their values)."""
@@ -96,11 +112,15 @@ class AccoSettings:
             raise ValueError(f"--acco.estimate_dtype {self.estimate_dtype!r}: give auto, none or a torch dtype's "
                              "name (bfloat16, float32)")
         extrapolation = self.estimate_extrapolation
+        outer = {} if self.outer_every <= 0 else dict(
+            outer_every=self.outer_every, outer_lr=self.outer_lr, outer_momentum=self.outer_momentum,
+            outer_compression=None if self.outer_compression == "none" else self.outer_compression,
+            outer_delay=self.outer_delay)
         return dict(mode=self.mode, estimate_dtype=dtype,
                     estimate_extrapolation=extrapolation if extrapolation == "auto" else float(extrapolation),
                     compression=None if self.compression == "none" else self.compression,
                     compression_block=self.compression_block, synchronous_updates=self.synchronous_updates,
-                    nonfinite=self.nonfinite)
+                    nonfinite=self.nonfinite, **outer)
 
 
 class AccoOptimizersContainer(OptimizersContainer):
@@ -132,13 +152,15 @@ class AccoOptimizersContainer(OptimizersContainer):
         return self.optimizers[0]
 
     def start(self, *, process_group: Any, microbatches_per_update: int, max_grad_norm: Optional[float],
-              settings: AccoSettings) -> None:
-        """Build the optimizer. Collective on ``process_group`` (the replicas): construction agrees the options
-        and the layout and broadcasts the first replica's weights."""
+              settings: AccoSettings, outer_group: Any = None) -> None:
+        """Build the optimizer. Collective on ``process_group`` (the replicas; with regions, the region's) and
+        ``outer_group`` (the same replica of every region): construction agrees the options and the layout and
+        broadcasts the first replica's weights."""
         first = self._groups[0]["optimizer_class"]
-        opt = AccoOptimizer(self._groups, first, process_group=process_group,
+        opt = AccoOptimizer(self._groups, first, process_group=process_group, outer_group=outer_group,
                             microbatches_per_update=microbatches_per_update, max_grad_norm=max_grad_norm,
                             divide_by_ranks=False, **settings.options())
+        self.outer_group = outer_group
         self.optimizers = [opt]
         self.grad_norm = torch.zeros((), device=opt.device)
 
@@ -166,8 +188,9 @@ class AccoOptimizersContainer(OptimizersContainer):
 
     @property
     def shard(self) -> str:
-        """This rank's model shard's name (``"shard1"``; ``"all"`` without DTensor parameters)."""
-        return self.acco.runtime.shards.shard_name() or "all"
+        """The name this rank's entries are nested under, as ``acco.checkpoint.save`` names them: its model
+        shard (``"shard1"``), with regions its region's too (``"region1-shard0"``); ``"all"`` without either."""
+        return entry_name(self.acco) or "all"
 
 
 class _WithinReplicas:
@@ -189,6 +212,36 @@ def _within_replicas(parallelize_fn: Callable) -> Callable:
         return parallelize_fn(model, parallel_dims=_WithinReplicas(parallel_dims), **kwargs)
 
     return parallelize
+
+
+def _regions(replicas: Any, regions: int) -> tuple:
+    """The ``dp_replicate`` mesh cut into ``regions`` consecutive blocks of replicas: the region's replicas (ACCO's
+    rounds) and the same replica of every region (the outer round). Collective on the world (DeviceMesh's
+    ``_unflatten``, as torchtitan's ParallelDims makes its meshes)."""
+    size = replicas.size()
+    if size % regions:
+        raise ValueError(f"--acco.regions {regions} does not divide the {size} replicas "
+                         "(--parallelism.data_parallel_replicate_degree): give a divisor of it")
+    mesh = replicas._unflatten(0, (regions, size // regions), ("acco_region", "acco_replica"))
+    return mesh["acco_replica"], mesh["acco_region"]
+
+
+def _check_regions(config: Any) -> List[str]:
+    """Where torchtitan's checkpoints meet regions: every region must hold the same weights when one is saved (DCP
+    keeps one copy of the model), which an undelayed outer round gives at every multiple of ``outer_every``."""
+    s, ckpt = config.acco, config.checkpoint
+    if (s.regions > 1) != (s.outer_every > 0):
+        return [f"--acco.regions {s.regions} with --acco.outer_every {s.outer_every}: give both (regions 2 or "
+                "more, outer_every >= 1) for an outer step across regions, or neither"]
+    if s.regions <= 1 or not ckpt.enable:
+        return []
+    every, steps = s.outer_every, config.training.steps
+    if s.outer_delay == 0 and ckpt.interval % every == 0 and steps % every == 0:
+        return []
+    return [f"torchtitan's checkpoints with --acco.regions (interval {ckpt.interval}, steps {steps}, outer_every "
+            f"{every}, outer_delay {s.outer_delay}): the regions hold the same weights, which a checkpoint saves "
+            "once, only right after an undelayed outer round: set --acco.outer_delay 0 and --checkpoint.interval "
+            "and --training.steps to multiples of --acco.outer_every"]
 
 
 def check_supported(config: Any) -> None:
@@ -222,7 +275,7 @@ def check_supported(config: Any) -> None:
                      "its loss_fn itself (with_acco does)"))
     names = sorted({g.optimizer_name for g in config.optimizer.param_groups} - set(_FACTORIES))
     refusals.append((bool(names), f"optimizer(s) {names} (ACCO wraps torch.optim ones here: Adam, AdamW)"))
-    found = [why for bad, why in refusals if bad]
+    found = [why for bad, why in refusals if bad] + _check_regions(config)
     if found:
         raise NotImplementedError("acco.integrations.torchtitan does not support " + "; ".join(found))
 
@@ -258,14 +311,20 @@ class AccoTrainer(Trainer):
                 f"acco.integrations.torchtitan: mode acco needs 2 or more micro-batches per update, got {m} "
                 "(--training.global_batch_size is local_batch_size x data-parallel degree): set "
                 "--training.global_batch_size to twice that, or --acco.mode dpu/sync")
+        settings, outer_group = self.config.acco, None
         if parallel_dims.dp_replicate_enabled:
             group = parallel_dims.get_mesh("dp_replicate")
+            if settings.regions > 1:
+                group, outer_group = _regions(group, settings.regions)
+        elif settings.regions > 1:
+            raise ValueError(f"--acco.regions {settings.regions} with one replica: set "
+                             "--parallelism.data_parallel_replicate_degree to a multiple of the regions")
         else:  # one replica: ACCO on this rank alone (the default group, the world, would span FSDP2's mesh)
             # Collective on the world (every rank builds every one-rank group): torch's new_subgroups.
             group, _ = torch.distributed.new_subgroups(group_size=1)
         max_norm = self.config.training.max_norm
         optimizers.start(process_group=group, microbatches_per_update=m, max_grad_norm=max_norm if max_norm > 0 else None,
-                         settings=self.config.acco)
+                         settings=settings, outer_group=outer_group)
         if model_post_build is not None:
             model_post_build(optimizers, model_parts, parallel_dims)
 
