@@ -374,3 +374,29 @@ def test_take_model_weights_fp64_a_plain_state_and_resharding(tmp_path):
     for message in run_ranks(_reshard, 2, folder):
         assert message.startswith("CheckpointError") and "written by 2 ranks per region, this run has 1" in message, \
             message
+
+
+@pytest.mark.slow  # make test-all only: a killed rank restarted by torchrun, twice 4 ranks
+def test_a_region_killed_restarts_from_the_last_checkpoint(tmp_path):
+    """Rank 3 (the second region) killed before its update 8, the outer round launched at 6 in flight (due at 8),
+    under torchrun --max-restarts=1: every rank restarts from the checkpoint after update 4 (its outer round
+    launched at 3 in flight too) and ends on the weights of a run never interrupted, each region its own."""
+    import sys
+    from pathlib import Path
+
+    from _dist import run_command
+
+    script = Path(__file__).resolve().parent / "regions_resume_script.py"
+
+    def launch(out, kill_at):
+        run_command([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=4",
+                     "--max-restarts=1", "--monitor-interval=0.5", str(script), str(out), "10", "4", str(kill_at)],
+                    timeout=300)
+        return [torch.load(out / f"final{r}.pt", weights_only=True) for r in range(REGIONS * PER_REGION)]
+
+    clean, killed = launch(tmp_path / "clean", -1), launch(tmp_path / "killed", 7)
+    for rank, (a, b) in enumerate(zip(clean, killed)):
+        assert a["attempt"] == 0 and a["start"] == 0, (rank, a)
+        assert b["attempt"] == 1 and b["start"] == 4, (rank, b)  # the checkpoint after update 4
+        assert torch.equal(a["w"], b["w"]), (rank, (a["w"] - b["w"]).abs().max())
+    assert not torch.equal(clean[0]["w"], clean[2]["w"])  # the regions differ (the last round still in flight)
