@@ -66,6 +66,27 @@ def test_plan_runs_the_reach_runs_of_decaying_schedules_for_accos_methods_only(R
     assert R.plan(args, done) == []
 
 
+def test_four_rank_methods_keep_the_global_batch_and_are_held_to_ddp_on_four_ranks(R):
+    """A 4-rank method (2 regions x 2 ranks) runs half the per-rank batch and is compared, seed by seed, with DDP on
+    4 ranks at the LR DDP's search found on 2; it gets no reach run of its own baseline's kind."""
+    assert R.ranks("regions-2x2-h30") == 4 and R.baseline("regions-2x2-h30") == "ddp-4" and R.baseline("acco") == "ddp"
+    four, two = R.model_of("ddp-4"), R.model_of("ddp")
+    assert four["world_size"] * four["batch_size"] == two["world_size"] * two["batch_size"]
+    args = R.parse_args(["--T", "120", "--regimes", "constant", "--methods", "ddp-4", "regions-2x2-h30",
+                         "--seeds", "0"])
+    n = R.length("constant", 120, args.stretch)
+    recs = [_ddp("constant", 120, lr, v, n) for lr, v in [(5e-4, 3.0), (1e-3, 2.2), (2e-3, 2.4), (4e-3, 2.9)]]
+    assert R.plan(args, recs) == [("ddp-4", "constant", 120, 1e-3, 0, n), ("regions-2x2-h30", "constant", 120, 1e-3, 0, n)]
+    val = [[0, 4.0], [120, 2.1], [150, 2.0]]
+    recs += [{"method": "ddp-4", "regime": "constant", "T": 120, "lr": 1e-3, "seed": 0, "length": n, "val_at_T": 2.0,
+              "val": val},
+             {"method": "regions-2x2-h30", "regime": "constant", "T": 120, "lr": 1e-3, "seed": 0, "length": n,
+              "val_at_T": 2.1, "val": val}]
+    rows = {r["method"]: r for r in R.summarize(recs, args)}
+    assert rows["regions-2x2-h30"]["gaps"] == [pytest.approx(2.1 / 2.0 - 1)]  # against ddp-4's 2.0, not ddp's 2.2
+    assert rows["regions-2x2-h30"]["updates"] == [pytest.approx(150 / 120)]
+
+
 def test_updates_to_ddps_loss_under_a_decaying_schedule(R):
     assert R.reach_ratio(2.00, None, 2.01, 1.03) == 1.0  # the T run is already below: "<= 1.00"
     assert R.reach_ratio(2.03, 2.02, 2.01, 1.03) is None  # the 1.03 T run is not either

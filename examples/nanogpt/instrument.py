@@ -18,7 +18,8 @@
   it afresh;
 * ``--regions-of-one``: every rank is a region of its own (``process_group``: a group of this rank alone) and
   ``outer_group`` is every rank, for the outer step of ``outer_every`` (``--acco-option=outer_every=30``: DiLoCo
-  across the ranks, each running ACCO's rounds alone; ``docs/regions.md``). The loop's checkpoints
+  across the ranks, each running ACCO's rounds alone; ``docs/regions.md``); ``--regions=N``: ``N`` regions of
+  consecutive ranks (``outer_group``: rank ``i`` of each). The loop's checkpoints
   (``acco.checkpoint.gather``, refused with ``outer_every``) hold nothing then: the study never resumes these runs;
 * ``--estimate-gap``: after every ``step()``, rank 0 logs ``|theta~ - theta|``
   (what the model holds, in mode acco the estimate, against the committed
@@ -59,25 +60,31 @@ def _flat(params) -> torch.Tensor:
 SCREENED = [0]  # estimates computed by screen_estimate's arithmetic, in this process
 
 
-def regions_of_one() -> dict:
-    """``AccoOptimizer`` keywords that make every rank a region of its own (``--regions-of-one``), and the loop's
-    checkpoints empty. Collective on WORLD (every rank makes every one-rank group)."""
+def regions_of(n: int) -> dict:
+    """``AccoOptimizer`` keywords that cut the world into ``n`` regions of consecutive ranks (``--regions=N``;
+    ``--regions-of-one``: a region per rank), and the loop's checkpoints empty. Collective on WORLD (every rank
+    makes every group)."""
     import torch.distributed as dist
     import acco.checkpoint
 
-    alone = [dist.new_group([r]) for r in range(dist.get_world_size())]
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if world % n:
+        raise SystemExit(f"instrument.py: --regions={n} does not divide the {world} ranks")
+    size = world // n
+    regions = [dist.new_group(list(range(r * size, (r + 1) * size))) for r in range(n)]
+    across = [dist.new_group(list(range(i, world, size))) for i in range(size)]
     acco.checkpoint.gather = lambda optimizer, model=None, dst=0: {"model": {}, "optimizer": {}}
-    return {"process_group": alone[dist.get_rank()], "outer_group": dist.group.WORLD}
+    return {"process_group": regions[rank // size], "outer_group": across[rank % size]}
 
 
 def instrument(options: dict, estimate_gap: bool, out_dir: str, screening: bool = False,
-               regions: bool = False) -> None:
+               regions: int = 0) -> None:
     base = acco.AccoOptimizer
     rows: list = []
 
     class Instrumented(base):
         def __init__(self, *args, **kwargs):
-            placed = regions_of_one() if regions else {}
+            placed = regions_of(regions) if regions else {}
             super().__init__(*args, **{**kwargs, **options, **placed})
             self._study_params = [p for g in self.param_groups for p in g["params"]]
             self._study_previous = _flat(self._study_params) if estimate_gap else None
@@ -189,14 +196,16 @@ def acco_option(flag: str):
 
 def main(argv: list) -> None:
     nice_in_own_session()
-    options, estimate_gap, regions = {}, False, False
+    options, estimate_gap, regions = {}, False, 0
     blend, hook = 1.0, None
     while argv and argv[0].startswith("--"):
         flag = argv.pop(0)
         if flag == "--estimate-gap":
             estimate_gap = True
         elif flag == "--regions-of-one":
-            regions = True
+            regions = int(os.environ.get("WORLD_SIZE", "1"))  # torchrun's
+        elif flag.startswith("--regions="):
+            regions = int(flag.split("=", 1)[1])
         elif flag.startswith("--estimate-blend="):
             blend = float(flag.split("=", 1)[1])
         elif flag.startswith("--ddp-hook="):

@@ -56,11 +56,38 @@ METHODS: Dict[str, Tuple[str, List[str]]] = {
     "regions-h30-avg": ("train_acco.py", ["--regions-of-one", "--acco-option=estimate_dtype=bfloat16",
                                           "--acco-option=estimate_extrapolation=1.2", "--acco-option=outer_every=30",
                                           "--acco-option=outer_lr=1.0", "--acco-option=outer_momentum=0.0"]),
+    # 4 ranks, the same global batch (16 sequences per micro-batch): DDP, and 2 regions x 2 ranks with DiLoCo's
+    # outer step every 30 updates, or the plain average
+    "ddp-4": ("train_ddp.py", []),
+    "regions-2x2-h30": ("train_acco.py", ["--regions=2", "--acco-option=estimate_dtype=bfloat16",
+                                          "--acco-option=estimate_extrapolation=1.2", "--acco-option=outer_every=30"]),
+    "regions-2x2-h30-avg": ("train_acco.py", ["--regions=2", "--acco-option=estimate_dtype=bfloat16",
+                                              "--acco-option=estimate_extrapolation=1.2",
+                                              "--acco-option=outer_every=30", "--acco-option=outer_lr=1.0",
+                                              "--acco-option=outer_momentum=0.0"]),
     # ... every 30 with DiLoCo's outer LR and a lighter momentum (0.5)
     "regions-h30-m5": ("train_acco.py", ["--regions-of-one", "--acco-option=estimate_dtype=bfloat16",
                                          "--acco-option=estimate_extrapolation=1.2", "--acco-option=outer_every=30",
                                          "--acco-option=outer_momentum=0.5"]),
 }
+# methods on 4 ranks (the rest on 2), each against the DDP of its ranks; the global batch is the same
+RANKS = {"ddp-4": 4, "regions-2x2-h30": 4, "regions-2x2-h30-avg": 4}
+
+
+def ranks(method: str) -> int:
+    return RANKS.get(method, 2)
+
+
+def baseline(method: str) -> str:
+    """The DDP a method is held to: the one on as many ranks (DDP's LR search runs on 2)."""
+    return "ddp" if ranks(method) == 2 else f"ddp-{ranks(method)}"
+
+
+def model_of(method: str) -> dict:
+    """The run's settings: the model's, with the per-rank batch that keeps the global batch at 2 ranks'."""
+    return {**MODEL, "world_size": ranks(method), "batch_size": MODEL["batch_size"] * 2 // ranks(method)}
+
+
 # method -> its label in the speed benchmark (benchmarks/overlap.py), for the composed time to DDP's loss
 SPEED_LABELS = {"ddp": "ddp", "acco": "acco:estimate-bf16", "acco-paper": "acco", "acco-int8": "acco-int8",
                 "acco-int4": "acco-int4", "acco-int8e4": "acco-int8e4"}
@@ -112,10 +139,10 @@ def length(regime: str, T: int, stretch: float) -> int:
     return T if decays(regime) else round(T * stretch)
 
 
-def overrides(regime: str, n: int, lr: float, seed: int, args: argparse.Namespace) -> List[str]:
+def overrides(regime: str, n: int, lr: float, seed: int, args: argparse.Namespace, method: str = "ddp") -> List[str]:
     """train_*.py's settings for a run of ``n`` updates under ``regime`` (its schedule spans the ``n``)."""
     schedule, warmup, cool = REGIMES[regime]
-    m = MODEL
+    m = model_of(method)
     floor = lr if schedule == "constant" else lr * m["min_lr_ratio"]
     return [f"--seed={seed}", f"--learning_rate={lr}", f"--min_lr={floor}",
             f"--schedule={'cosine' if schedule == 'constant' else schedule}", f"--cooldown_iters={round(cool * n)}",
@@ -141,7 +168,8 @@ def run(k: tuple, args: argparse.Namespace, tmp: Path) -> dict:
     out = tmp / f"{method}-{regime}-T{T}-n{n}-lr{lr:g}-s{seed}"
     for attempt in (1, 2):  # once more: a shared machine can kill a run
         try:
-            evals, train, _, wall = launch(script, flags, overrides(regime, n, lr, seed, args), out)
+            evals, train, _, wall = launch(script, flags, overrides(regime, n, lr, seed, args, method), out,
+                                           ranks(method))
             break
         except RuntimeError as exc:
             if attempt == 2:
@@ -152,7 +180,7 @@ def run(k: tuple, args: argparse.Namespace, tmp: Path) -> dict:
     if at.get(T if n == length(regime, T, args.stretch) else n) is None:
         raise RuntimeError(f"{method} {regime} T={T} ({n} updates): no evaluation at its end")
     return {"kind": "regime", "method": method, "regime": regime, "T": T, "length": n, "lr": lr, "seed": seed,
-            "schedule": REGIMES[regime], "model": MODEL, "flags": flags, "val_at_T": at.get(T), "val_at_end": at[n],
+            "schedule": REGIMES[regime], "model": model_of(method), "flags": flags, "val_at_T": at.get(T), "val_at_end": at[n],
             "val": val, "train_loss": [t["train_loss"] for t in train], "wall_s": round(wall, 1), **machine()}
 
 
@@ -199,7 +227,7 @@ def plan(args: argparse.Namespace, records: List[dict]) -> List[tuple]:
         for g, (best, _) in search.items():
             if best is not None and decays(g) and args.reach > 1:
                 out += [key(m, g, T, best, s, round(args.reach * T)) for s in args.seeds for m in args.methods
-                        if m != "ddp"]
+                        if not m.startswith("ddp")]
     done = {record_key(r, args.stretch) for r in records}
     return [k for k in dict.fromkeys(out) if k not in done]
 
@@ -274,12 +302,13 @@ def summarize(records: List[dict], args: argparse.Namespace) -> List[dict]:
                     if r["regime"] == g and r["T"] == T and float(r["lr"]) == lr}
             n, reach_n = length(g, T, args.stretch), round(args.reach * T)
             for m in args.methods:
-                seeds = [s for s in args.seeds if (m, s, n) in cell and ("ddp", s, n) in cell]
+                base = baseline(m)
+                seeds = [s for s in args.seeds if (m, s, n) in cell and (base, s, n) in cell]
                 if not seeds:
                     continue
-                ddp = {s: cell[("ddp", s, n)]["val_at_T"] for s in seeds}
+                ddp = {s: cell[(base, s, n)]["val_at_T"] for s in seeds}
                 gaps = [cell[(m, s, n)]["val_at_T"] / ddp[s] - 1 for s in seeds]
-                if m == "ddp":
+                if m == base:
                     ups: List[Optional[float]] = [1.0] * len(seeds)
                 elif decays(g):
                     ups = [reach_ratio(cell[(m, s, n)]["val_at_T"], (cell.get((m, s, reach_n)) or {}).get("val_at_end"),
@@ -330,7 +359,7 @@ def table(rows: List[dict], args: argparse.Namespace) -> str:
 def matrix(rows: List[dict], args: argparse.Namespace) -> str:
     """The guide's compact matrix: a row per (T, regime), a column per ACCO method, each cell the mean loss gap at
     T, the mean updates ratio to DDP's loss and the composed time at the speed record's first (fastest) link."""
-    methods = [m for m in args.methods if m != "ddp" and any(r["method"] == m for r in rows)]
+    methods = [m for m in args.methods if not m.startswith("ddp") and any(r["method"] == m for r in rows)]
     x = next((c[0][0] for c in (r["composed"] for r in rows) if c), None)
     when = f" · time at x = {x:.1f}" if x is not None else ""
     lines = ["| T | regime (DDP's best LR) | seeds | " + " | ".join(f"{m}: loss vs DDP · updates{when}" for m in methods)

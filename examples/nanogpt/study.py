@@ -118,12 +118,13 @@ def key(record_or_run, config: Optional[dict] = None) -> tuple:
     return (method, float(lr), int(seed), json.dumps(config, sort_keys=True))
 
 
-def launch(script: str, flags: List[str], overrides: List[str], out: Path) -> Tuple[list, list, Optional[list], float]:
-    """One run of ``script`` under torchrun (2 CPU ranks, one thread each), through ``instrument.py`` with
+def launch(script: str, flags: List[str], overrides: List[str], out: Path,
+           ranks: int = 2) -> Tuple[list, list, Optional[list], float]:
+    """One run of ``script`` under torchrun (``ranks`` CPU ranks, one thread each), through ``instrument.py`` with
     ``flags``; returns its held-out evaluations, its per-update training log, the estimate-gap log (or None) and
     its wall-clock seconds. Raises if the run fails."""
     out.mkdir(parents=True, exist_ok=True)
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={ranks}",
            str(HERE / "instrument.py"), *flags, str(HERE / script), f"--out_dir={out}", *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     start = time.time()
