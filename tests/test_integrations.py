@@ -93,6 +93,52 @@ def test_acco_trainer_names_gradient_accumulation_steps(tmp_path):
         AccoTrainer(model=torch.nn.Linear(2, 2), args=args)
 
 
+def test_acco_trainer_refuses_regions_with_checkpoints(tmp_path):
+    """AccoTrainer with outer_every (an outer round across regions) and Trainer's checkpoints, which write rank 0's
+    model only: refused at construction, naming save_strategy='no'; without checkpoints it is built."""
+    from transformers import TrainingArguments
+
+    from acco.integrations.hf import AccoTrainer
+
+    args = TrainingArguments(output_dir=str(tmp_path), gradient_accumulation_steps=2, report_to=[], use_cpu=True)
+    with pytest.raises(NotImplementedError, match="AccoTrainer with outer_every=3: its checkpoints write one model.*"
+                                                  "save_strategy='no'"):
+        AccoTrainer(model=torch.nn.Linear(2, 2), args=args, acco_kwargs={"outer_every": 3})
+    args = TrainingArguments(output_dir=str(tmp_path), gradient_accumulation_steps=2, report_to=[], use_cpu=True,
+                             save_strategy="no")
+    AccoTrainer(model=torch.nn.Linear(2, 2), args=args, acco_kwargs={"outer_every": 3})
+
+
+def _accelerate_regions(rank: int, world: int) -> str:
+    """acco.integrations.accelerate.prepare of an optimizer with outer_every (each rank a region of its own)."""
+    import torch.distributed as dist
+
+    from acco import AccoOptimizer
+    from acco.integrations import accelerate
+
+    alone = [dist.new_group([r]) for r in range(world)][rank]
+    model = torch.nn.Linear(2, 2)
+    opt = AccoOptimizer(model.parameters(), mode="sync", process_group=alone, outer_group=dist.group.WORLD,
+                        outer_every=2)
+    try:
+        accelerate.prepare(None, model, opt)
+    except NotImplementedError as exc:
+        return str(exc)
+    finally:
+        opt.finish()
+    return "not refused"
+
+
+def test_accelerate_prepare_refuses_regions():
+    """prepare() registers save_state, which writes rank 0's model only: with outer_every it is refused on every
+    rank, naming what to call instead."""
+    from _dist import run_ranks
+
+    for out in run_ranks(_accelerate_regions, 2):
+        assert "prepare with outer_every=2: its checkpoints write one model" in out, out
+        assert "acco.disable_gradient_allreduce(model) instead of prepare" in out, out
+
+
 @pytest.mark.parametrize("mode,steps", [("sync", 1), ("dpu", 3), ("acco", 2)])
 @pytest.mark.slow
 def test_acco_trainer_builds_the_optimizer_with_gradient_accumulation_steps_in_every_mode(tmp_path, mode, steps):

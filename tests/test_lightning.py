@@ -203,6 +203,38 @@ class _Split:
         return Split()
 
 
+class _Regions:
+    """A module whose configure_optimizers builds an AccoOptimizer with an outer round across regions (one
+    process: one region)."""
+
+    def __new__(cls):
+        from lightning_script import Regression
+
+        class Regions(Regression):
+            def configure_optimizers(self):
+                import torch.distributed as dist
+
+                from acco import AccoOptimizer
+
+                return AccoOptimizer(self.parameters(), torch.optim.AdamW, microbatches_per_update=2, outer_every=2,
+                                     outer_group=dist.group.WORLD)
+
+        return Regions()
+
+
+@pytest.mark.slow
+def test_regions_with_checkpointing_are_refused():
+    """An AccoOptimizer with outer_every from configure_optimizers: Lightning's checkpoint writes rank 0's model
+    only, so with checkpointing on it is refused at fit(), naming enable_checkpointing=False; without, it trains."""
+    sys.path.insert(0, os.path.dirname(__file__))
+    with pytest.raises(NotImplementedError, match="outer_every=2: its checkpoints write one model.*"
+                                                  "enable_checkpointing=False"):
+        _fit(_trainer(accumulate_grad_batches=2, enable_checkpointing=True), _Regions())
+    trainer = _trainer(accumulate_grad_batches=2)
+    _fit(trainer, _Regions())
+    assert trainer.global_step == 2 and trainer.strategy.acco_optimizer.finished
+
+
 @pytest.mark.slow
 def test_a_split_built_by_the_user_trains_and_must_agree_with_the_trainer():
     """Check the Muon + AdamW split returned from configure_optimizers is taken as it is and trains, and that one

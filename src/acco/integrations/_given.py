@@ -11,7 +11,19 @@ from typing import Any, Dict, Iterable, Optional
 
 from ..modes import Mode
 
-__all__ = ["check_given_optimizer"]
+__all__ = ["check_given_optimizer", "refuse_regions"]
+
+
+def refuse_regions(outer_every: Any, where: str, fix: str) -> None:
+    """Refuse ``outer_every`` (set: an outer round across regions) where the framework's checkpoints write one copy
+    of the model, rank 0's: the regions hold their own weights between outer rounds, so the others' would be lost
+    and a resume would refuse their state. ``fix``: how to go on in that framework."""
+    if outer_every:
+        raise NotImplementedError(
+            f"{where} with outer_every={outer_every}: its checkpoints write one model, rank 0's, and the regions "
+            f"hold their own weights between outer rounds (every other region's would be lost). {fix}; or train "
+            "across regions with a hand-written loop (acco.checkpoint.save(path, opt, model=model) on every rank) "
+            "or torchtitan's --acco.regions (docs/regions.md)")
 
 
 def check_given_optimizer(opt: Any, where: str, *, mode: str, mode_setting: str, clip: Optional[float],

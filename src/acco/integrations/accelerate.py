@@ -36,6 +36,7 @@ from typing import Any, Dict, Optional
 from .. import checkpoint as acco_checkpoint
 from ..ddp import disable_gradient_allreduce
 from ..optimizer import AccoOptimizer
+from ._given import refuse_regions
 
 __all__ = ["CHECKPOINT_DIR", "prepare"]
 
@@ -80,6 +81,8 @@ def prepare(accelerator: Any, model: Any, optimizer: AccoOptimizer) -> AccoOptim
                 "accelerator.sync_gradients"
             )
         raise TypeError(f"optimizer must be an AccoOptimizer, got {type(optimizer).__name__}")
+    refuse_regions(optimizer.options.outer.outer_every, "acco.integrations.accelerate.prepare",
+                   "Call acco.disable_gradient_allreduce(model) instead of prepare, and save without save_state")
     disable_gradient_allreduce(model)
     checkpointer = _Checkpointer(optimizer)
     accelerator.register_save_state_pre_hook(checkpointer.on_save)

@@ -47,7 +47,7 @@ from .._validation import without_default_kernel_flags
 from ..ddp import disable_gradient_allreduce
 from ..modes import Mode
 from ..optimizer import AccoOptimizer
-from ._given import check_given_optimizer
+from ._given import check_given_optimizer, refuse_regions
 
 try:
     from transformers import Trainer
@@ -114,6 +114,10 @@ class AccoTrainer(Trainer):
                                   options=self.acco_kwargs, options_setting="AccoTrainer(acco_kwargs)",
                                   model_buffers=self.model.buffers(), held_buffers=self.optimizer.model_buffers)
         self._given = isinstance(self.optimizer, AccoOptimizer)
+        if getattr(self.args.save_strategy, "value", self.args.save_strategy) != "no":
+            given = self.acco_optimizer.options.outer.outer_every if self._given else None
+            refuse_regions(self.acco_kwargs.get("outer_every") or given, "AccoTrainer",
+                           "Pass TrainingArguments(save_strategy='no')")
 
     # ----------------------------------------------------------------- optimizer
 

@@ -52,7 +52,7 @@ import torch
 
 from ..modes import Mode
 from ..optimizer import AccoOptimizer
-from ._given import check_given_optimizer
+from ._given import check_given_optimizer, refuse_regions
 
 try:
     import lightning.pytorch as pl
@@ -184,6 +184,8 @@ class AccoStrategy(DDPStrategy):
             for config in self.lr_scheduler_configs:
                 if config.scheduler.optimizer is plain:
                     _repoint(config.scheduler, opt)
+        if trainer.checkpoint_callbacks:
+            refuse_regions(opt.options.outer.outer_every, "strategy='acco'", "Pass Trainer(enable_checkpointing=False)")
         self.optimizers = [opt]
         if trainer.gradient_clip_val:  # the optimizer clips the averaged gradient: Lightning must not clip .grad
             self._clip, trainer.gradient_clip_val = trainer.gradient_clip_val, None
