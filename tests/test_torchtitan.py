@@ -303,7 +303,9 @@ def _tensors(tree, prefix: str = "") -> dict:
     (["--parallelism.spmd_backend", "full_dtensor"], "use --parallelism.spmd_backend partial_dtensor"),
     (["--training.global_batch_size", "2"], "mode acco needs 2 or more micro-batches per update, got 1"),
     (["--acco.regions", "2"], "give both (regions 2 or more, outer_every >= 1)"),
-    (["--acco.regions", "2", "--acco.outer_every", "4", "--checkpoint.enable", "--checkpoint.interval", "3"],
+    (["--acco.regions", "2", "--acco.outer_every", "3"], "give a degree that the regions divide"),
+    (["--acco.regions", "2", "--acco.outer_every", "4", "--checkpoint.enable", "--checkpoint.interval", "3",
+      "--parallelism.data_parallel_replicate_degree", "2"],
      "set --acco.outer_delay 0 and --checkpoint.interval and --training.steps to multiples of --acco.outer_every"),
 ])
 def test_refused_at_start_with_the_reason(assets, args, words):

@@ -163,8 +163,8 @@ def save(path: str, optimizer: "AccoOptimizer", *, model: Optional[torch.nn.Modu
     sums = checksums(sd)  # verified by load()
     # Each rank's pieces (with DTensor parameters: its model shard's entries) are entries of its own; the rest
     # every rank holds alike (kept where they agree).
-    own = {k: v for k, v in sums.items() if k.startswith((f"optim/{shard}/", f"model/{region or shard}/") if shard
-                                                         else _PIECES)}
+    mine = (f"optim/{shard}/", *((f"model/{region}/",) if region else ())) if shard else _PIECES
+    own = {k: v for k, v in sums.items() if k.startswith(mine)}
     common = replicated_only({k: v for k, v in sums.items() if k not in own}, group if dist.is_initialized() else None,
                              optimizer.device)
     sd["checksums"] = {**own, **common}
@@ -211,13 +211,14 @@ def _no_optimizer_here(where: str, meta: Dict[str, Any], shard: Optional[str]) -
     with other model shards, or not by acco."""
     plain = any(k.startswith("optim.meta.") for k in meta)
     regions = sorted({k.split(".")[1] for k in meta if k.startswith("optim.region") and k.split(".")[2:3] == ["meta"]})
-    if regions or (plain and shard and shard.startswith("region")):
-        here = f"this rank is in {shard}" if shard else "this run has no outer_every"
+    shards = sorted({k.split(".")[1] for k in meta if k.startswith("optim.shard") and k.split(".")[2:3] == ["meta"]})
+    here_regions = bool(shard and shard.startswith("region"))
+    if regions or ((plain or shards) and here_regions):
+        here = f"this rank is in {shard}" if here_regions else "this run has no outer_every"
         saved = f"with outer_every, by regions {regions}" if regions else "without outer_every"
         return CheckpointError(
             f"{where}: written {saved}; {here}. Resume with the same regions and outer_every (a per-rank "
             "opt.state_dict() saved without outer_every loads into a run with it). Nothing was loaded.")
-    shards = sorted({k.split(".")[1] for k in meta if k.startswith("optim.shard") and k.split(".")[2:3] == ["meta"]})
     if shard and plain:
         return CheckpointError(
             f"{where}: written by a run without DTensor parameters, loaded into one with them ({shard}). "

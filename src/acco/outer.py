@@ -47,8 +47,9 @@ def refuse_checkpoint(outer: Optional["OuterRound"], call: str) -> None:
 def connect_regions(policy: Any, outer_group: Any, fields: List[Tuple[str, Any]], region: Tuple[int, int],
                     shards: Any, device: torch.device, timeout: Any) -> Optional[dist.ProcessGroup]:
     """The outer round's own group over ``outer_group`` (None without ``outer_every``), once every region has the
-    same model, options and region shape (``region``: the region's size and this rank's index in it) and the
-    first region's weights. Collective on ``outer_group``."""
+    same model, options and region shape (``region``: the region's size and this rank's index in it; with
+    DTensor parameters, checked with the model shard this rank holds) and the first region's weights.
+    Collective on ``outer_group``."""
     if policy.outer_every is None:
         if outer_group is not None:
             raise ValueError("outer_group= without outer_every: the group would carry no outer round. Pass "

@@ -163,6 +163,10 @@ class AccoStrategy(DDPStrategy):
                 "acco.AccoOptimizer.from_optimizer([muon, adamw], microbatches_per_update=...)"
             )
         plain, lm = self.optimizers[0], self.lightning_module
+        if trainer.checkpoint_callbacks:  # before building one (a refused optimizer would hold its thread)
+            outer = plain.options.outer.outer_every if isinstance(plain, AccoOptimizer) else None
+            refuse_regions(outer or self.acco_options.get("outer_every"), "strategy='acco'",
+                           "Pass Trainer(enable_checkpointing=False)")
         if isinstance(plain, AccoOptimizer):  # built by the user (the Muon + AdamW split): taken as it is
             opt = plain
             automatic = lm.automatic_optimization  # manual: the module steps, clips and accumulates itself
@@ -184,8 +188,6 @@ class AccoStrategy(DDPStrategy):
             for config in self.lr_scheduler_configs:
                 if config.scheduler.optimizer is plain:
                     _repoint(config.scheduler, opt)
-        if trainer.checkpoint_callbacks:
-            refuse_regions(opt.options.outer.outer_every, "strategy='acco'", "Pass Trainer(enable_checkpointing=False)")
         self.optimizers = [opt]
         if trainer.gradient_clip_val:  # the optimizer clips the averaged gradient: Lightning must not clip .grad
             self._clip, trainer.gradient_clip_val = trainer.gradient_clip_val, None

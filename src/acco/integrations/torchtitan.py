@@ -176,9 +176,9 @@ class AccoOptimizersContainer(OptimizersContainer):
         self.acco.zero_grad(set_to_none=set_to_none)
 
     def state_dict(self) -> Dict[str, Any]:
-        """ACCO's state for DCP (new tensors: DCP loads into them in place), nested under this rank's model shard
-        as ``acco.checkpoint.save`` nests it (ranks of different shards hold different tensors under the same
-        piece keys). Local: waits for the in-flight round."""
+        """ACCO's state for DCP (new tensors: DCP loads into them in place), nested under :attr:`shard` as
+        ``acco.checkpoint.save`` nests it (ranks of different shards or regions hold different tensors under the
+        same piece keys). Local: waits for the in-flight round."""
         return {"acco": {self.shard: state_io.state_dict(self.acco.runtime.owners, sharded=True)}}
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
@@ -219,9 +219,6 @@ def _regions(replicas: Any, regions: int) -> tuple:
     rounds) and the same replica of every region (the outer round). Collective on the world (DeviceMesh's
     ``_unflatten``, as torchtitan's ParallelDims makes its meshes)."""
     size = replicas.size()
-    if size % regions:
-        raise ValueError(f"--acco.regions {regions} does not divide the {size} replicas "
-                         "(--parallelism.data_parallel_replicate_degree): give a divisor of it")
     mesh = replicas._unflatten(0, (regions, size // regions), ("acco_region", "acco_replica"))
     return mesh["acco_replica"], mesh["acco_region"]
 
@@ -233,15 +230,22 @@ def _check_regions(config: Any) -> List[str]:
     if (s.regions > 1) != (s.outer_every > 0):
         return [f"--acco.regions {s.regions} with --acco.outer_every {s.outer_every}: give both (regions 2 or "
                 "more, outer_every >= 1) for an outer step across regions, or neither"]
-    if s.regions <= 1 or not ckpt.enable:
+    if s.regions <= 1:
         return []
+    replicas = config.parallelism.data_parallel_replicate_degree
+    if replicas < s.regions or replicas % s.regions:
+        return [f"--acco.regions {s.regions} with {replicas} replica(s) (--parallelism.data_parallel_replicate_degree):"
+                " give a degree that the regions divide"]
     every, steps = s.outer_every, config.training.steps
-    if s.outer_delay == 0 and ckpt.interval % every == 0 and steps % every == 0:
+    first = getattr(ckpt, "enable_first_step_checkpoint", False) and every > 1
+    if not ckpt.enable or getattr(ckpt, "load_only", False) or (
+            s.outer_delay == 0 and ckpt.interval % every == 0 and steps % every == 0 and not first):
         return []
     return [f"torchtitan's checkpoints with --acco.regions (interval {ckpt.interval}, steps {steps}, outer_every "
-            f"{every}, outer_delay {s.outer_delay}): the regions hold the same weights, which a checkpoint saves "
-            "once, only right after an undelayed outer round: set --acco.outer_delay 0 and --checkpoint.interval "
-            "and --training.steps to multiples of --acco.outer_every"]
+            f"{every}, outer_delay {s.outer_delay}{', a first-step checkpoint' if first else ''}): the regions hold "
+            "the same weights, which a checkpoint saves once, only right after an undelayed outer round: set "
+            "--acco.outer_delay 0 and --checkpoint.interval and --training.steps to multiples of "
+            "--acco.outer_every (and no --checkpoint.enable_first_step_checkpoint)"]
 
 
 def check_supported(config: Any) -> None:
@@ -314,11 +318,8 @@ class AccoTrainer(Trainer):
         settings, outer_group = self.config.acco, None
         if parallel_dims.dp_replicate_enabled:
             group = parallel_dims.get_mesh("dp_replicate")
-            if settings.regions > 1:
+            if settings.regions > 1:  # the degree divides into them (check_supported)
                 group, outer_group = _regions(group, settings.regions)
-        elif settings.regions > 1:
-            raise ValueError(f"--acco.regions {settings.regions} with one replica: set "
-                             "--parallelism.data_parallel_replicate_degree to a multiple of the regions")
         else:  # one replica: ACCO on this rank alone (the default group, the world, would span FSDP2's mesh)
             # Collective on the world (every rank builds every one-rank group): torch's new_subgroups.
             group, _ = torch.distributed.new_subgroups(group_size=1)
