@@ -160,7 +160,6 @@ class AccoOptimizersContainer(OptimizersContainer):
         opt = AccoOptimizer(self._groups, first, process_group=process_group, outer_group=outer_group,
                             microbatches_per_update=microbatches_per_update, max_grad_norm=max_grad_norm,
                             divide_by_ranks=False, **settings.options())
-        self.outer_group = outer_group
         self.optimizers = [opt]
         self.grad_norm = torch.zeros((), device=opt.device)
 
